@@ -1,0 +1,106 @@
+"""Checkpoints that survive a crash, and the Hugging Face export.
+
+A checkpoint is written to `step_XXXXXXXX.partial/` and renamed once every rank has
+finished, so a crash mid-save never leaves something `--resume auto` would pick up.
+Old checkpoints are pruned only after the new one is complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+STATE_FILE = "train_state.json"
+CONFIG_FILE = "config.yaml"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).exists()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
+    """None -> None; 'auto' -> latest complete checkpoint or None; a path -> that checkpoint."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / STATE_FILE).exists():
+        raise FileNotFoundError(f"checkpoint.resume={resume}: not a complete checkpoint (no {STATE_FILE})")
+    return path
+
+
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, train_state: dict, config_yaml: str,
+                    keep_last: int) -> Path:
+    """accelerator.save_state (model, optimizer, registered scheduler, RNG of every rank) plus
+    the loop's own state and the resolved config; then atomically publish and prune."""
+    root = checkpoint_root(output_dir)
+    final = root / f"step_{step:08d}"
+    partial = root / f"step_{step:08d}.partial"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / CONFIG_FILE).write_text(config_yaml)
+        (partial / STATE_FILE).write_text(json.dumps(train_state))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        for old in complete_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> dict:
+    accelerator.load_state(str(path))
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def full_state_dict(accelerator, model) -> dict:
+    """The full, consolidated weights on the main process. Every rank must call this: under
+    sharded backends (ZeRO-3, FSDP) it is a collective that gathers the shards."""
+    return accelerator.get_state_dict(model)
+
+
+def rank_checksums(accelerator, model) -> list[list[float]]:
+    """[sum, sum of |w|] in float64 of each rank's replica of the weights; equal rows mean
+    the replicas agree. Collective: every rank must call it."""
+    import torch
+    tensors = [t.detach() for t in accelerator.unwrap_model(model).state_dict().values()]
+    local = torch.tensor([[sum(float(t.double().sum()) for t in tensors),
+                           sum(float(t.double().abs().sum()) for t in tensors)]],
+                         dtype=torch.float64, device=accelerator.device)
+    return accelerator.gather(local).tolist()
+
+
+def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml: str) -> Path:
+    """Hugging Face format (config.json + model.safetensors + tokenizer + recipe), loadable
+    with plain from_pretrained."""
+    out = Path(out_dir)
+    state_dict = full_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        accelerator.unwrap_model(model).save_pretrained(
+            out, state_dict=state_dict, safe_serialization=True, save_function=accelerator.save)
+        tokenizer.save_pretrained(out)
+        (out / "recipe.yaml").write_text(config_yaml)
+    accelerator.wait_for_everyone()
+    return out

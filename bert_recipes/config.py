@@ -1,0 +1,373 @@
+"""One typed dataclass tree holds every setting and its default. Recipe YAML sections map
+onto it one to one. Precedence: defaults < recipe < `--section.key=value` overrides.
+
+Unknown keys and wrong types are errors that name the key. Relations between values
+(batch arithmetic, task/model consistency) are checked up front by `validate`, with the
+numbers in the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message names the key."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "bert"
+    """Run name, used for the tracker run and the log lines."""
+    output_dir: str = "runs/bert"
+    """Everything the run writes goes here: checkpoints/, model/, logs/, metrics.json, curves.png."""
+    seed: int = 42
+    """Seeds python, numpy and torch on every rank (model init is identical on all ranks)."""
+
+
+@dataclass
+class TaskConfig:
+    kind: Literal["mlm", "classification"] = "mlm"
+    """mlm: masked-LM pretraining (BertForMaskedLM). classification: BertForSequenceClassification."""
+    num_labels: int = 2
+    """classification only. 1 means regression (MSE loss, Pearson/Spearman), e.g. STS-B."""
+    metrics: Optional[list[str]] = None
+    """Metric scripts from bert_recipes/metrics. None: accuracy+f1 (classification),
+    pearsonr+spearmanr (regression); mlm always reports loss and perplexity."""
+    label_names: Optional[list[str]] = None
+    """Optional label names, saved into the exported model config (id2label)."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: Optional[str] = None
+    """Hub name or local directory to start from (e.g. an exported mlm run's model/ dir).
+    None: a fresh BertConfig built from the fields below."""
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    hidden_dropout_prob: Optional[float] = None
+    """None keeps the checkpoint's value (0.1 for a fresh BertConfig)."""
+    attention_probs_dropout_prob: Optional[float] = None
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    sparse_mlm_head: bool = True
+    """mlm: run the prediction head on masked positions only (same loss, ~3x less head compute)."""
+    gradient_checkpointing: bool = False
+    """Recompute encoder activations in backward: ~30% slower, activations O(layers) smaller."""
+
+
+@dataclass
+class TokenizerConfig:
+    name_or_path: Optional[str] = None
+    """Hub name or local directory. None: the model's own tokenizer if model.name_or_path is
+    set, else (mlm from scratch) a WordPiece tokenizer trained on the training corpus."""
+    vocab_size: int = 30522
+    """Size of a tokenizer trained here (the vocabulary actually learned can be smaller)."""
+    lowercase: bool = True
+
+
+@dataclass
+class DataConfig:
+    source: Literal["sample", "hub", "files"] = "sample"
+    """sample: the embedded stdlib-docs sample. hub: datasets.load_dataset(dataset_name, dataset_config).
+    files: local train_files / validation_files (text, json/jsonl, csv or parquet)."""
+    dataset_name: Optional[str] = None
+    dataset_config: Optional[str] = None
+    train_files: Optional[list[str]] = None
+    validation_files: Optional[list[str]] = None
+    train_split: str = "train"
+    eval_split: str = "validation"
+    validation_split_percentage: int = 5
+    """When the source has no eval split, hold out this percent of train (seeded)."""
+    text_column: str = "text"
+    text_pair_column: Optional[str] = None
+    """classification on sentence pairs (MRPC, MNLI, ...): the second sentence's column."""
+    label_column: str = "label"
+    max_seq_length: int = 128
+    packing: bool = True
+    """mlm only. True: concatenate then chunk into full blocks (no padding, standard for
+    pretraining). False: one line per example, padded dynamically per batch."""
+    mlm_probability: float = 0.15
+    """Share of tokens selected; of those 80% -> [MASK], 10% -> random token, 10% kept."""
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    num_proc: Optional[int] = None
+    """Processes for datasets.map tokenization (results are cached by fingerprint)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    pin_memory: bool = True
+    """Pinned host memory for faster host->GPU copies (ignored on CPU)."""
+    cache_dir: Optional[str] = None
+    """datasets cache; None = HF_DATASETS_CACHE default."""
+    sample_dir: str = "data/sample"
+    """Where the embedded sample is built (source: sample)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    """Peak learning rate, reached after warmup."""
+    weight_decay: float = 0.01
+    """Applied to weights only: biases and LayerNorm parameters get none."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    warmup_steps: Optional[int] = None
+    warmup_ratio: float = 0.0
+    """Used when warmup_steps is None: warmup = ratio x total optimizer steps."""
+    decay: Literal["linear", "cosine", "constant"] = "linear"
+    min_lr_ratio: float = 0.0
+    """The lr decays to min_lr_ratio x lr at the last step."""
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 32
+    """Sequences per optimizer step, summed over all ranks and accumulation steps."""
+    micro_batch_size: int = 32
+    """Sequences per forward pass on one rank. Accumulation = global / (micro x world)."""
+    eval_batch_size: Optional[int] = None
+    """Per rank; None = micro_batch_size."""
+    max_steps: Optional[int] = None
+    """Optimizer steps. If both max_steps and epochs are set, the first reached stops."""
+    epochs: Optional[float] = None
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """fp16 needs a CUDA GPU: on a CPU it is refused (Accelerate would silently ignore it)."""
+    eval_every: Optional[int] = None
+    """Evaluate every N optimizer steps (and always at the end). None: only at the end."""
+    halt_at_step: Optional[int] = None
+    """Stop at this step after saving a checkpoint, as if the job's time ran out; the schedule
+    still spans the whole run. Continue with --resume auto (splits a run over job-time limits)."""
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: Optional[int] = None
+    """accelerator.save_state every N optimizer steps (and always at the end)."""
+    keep_last: int = 2
+    """Older checkpoints are deleted once a newer one is complete."""
+    resume: Optional[str] = None
+    """None: start fresh. 'auto': the latest complete checkpoint in output_dir, if any.
+    Or a path to one checkpoint directory."""
+    export: bool = True
+    """At the end, write model + tokenizer in Hugging Face format to output_dir/model."""
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10
+    """Optimizer steps between log lines / tracker points."""
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Any of tensorboard, wandb, mlflow (the last two when installed); [] for none."""
+    progress_bar: bool = True
+    plot: bool = True
+    """Write curves.png (loss and eval metrics) to output_dir at the end."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------------------- typing
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against annotation `tp`; ints are accepted where a float is expected."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):   # PyYAML reads 1e-4 (no dot) as text
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is bool or tp is str:
+        if isinstance(value, tp):
+            return value
+    else:
+        raise TypeError(f"unsupported annotation {tp} for {key}")
+    raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _merge(obj: Any, data: dict, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {data!r}")
+    hints = _hints(type(obj))
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            valid = ", ".join(hints)
+            raise ConfigError(f"unknown key '{path}' (valid keys here: {valid})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            _merge(getattr(obj, key), value, f"{path}.")
+        else:
+            setattr(obj, key, _coerce(value, tp, path))
+
+
+def _field_type(dotted: str) -> Any:
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"override '{dotted}' must look like section.key (e.g. train.max_steps)")
+    section, key = parts
+    sections = _hints(Config)
+    if section not in sections:
+        raise ConfigError(f"unknown key '{dotted}' (sections: {', '.join(sections)})")
+    keys = _hints(sections[section])
+    if key not in keys:
+        raise ConfigError(f"unknown key '{dotted}' (valid keys here: {', '.join(keys)})")
+    return keys[key]
+
+
+def set_key(cfg: Config, dotted: str, raw: str) -> None:
+    """Apply one `section.key=value` override. Values are parsed as YAML ('1e-4', 'null',
+    '[a, b]'), except that a text field takes the text as written (run.name=007 stays '007')."""
+    tp = _field_type(dotted)
+    text_field = tp is str or tp == Optional[str]
+    if text_field:
+        value = None if (tp != str and raw in ("null", "None", "~")) else raw
+    else:
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {dotted}={raw!r} is not valid YAML: {e}") from None
+    section, key = dotted.split(".")
+    _merge(cfg, {section: {key: value}})
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    cfg = Config()
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.exists():
+            raise ConfigError(f"recipe not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        _merge(cfg, data)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        key, raw = item.split("=", 1)
+        set_key(cfg, key.lstrip("-"), raw)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def flat_dict(cfg: Config) -> dict[str, Any]:
+    """section/key -> scalar (lists and None as strings), as trackers' hparams want it."""
+    out = {}
+    for section, values in to_dict(cfg).items():
+        for key, v in values.items():
+            out[f"{section}/{key}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+# ---------------------------------------------------------------------------- relations
+def grad_accum_steps(train: TrainConfig, world_size: int) -> int:
+    """global = micro x accumulation x world; the global batch must divide evenly."""
+    per_step = train.micro_batch_size * world_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={train.micro_batch_size} x world_size={world_size} = {per_step}. "
+            f"Pick a global batch that is a multiple of {per_step}, or change the micro batch.")
+    return train.global_batch_size // per_step
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no hardware knowledge; world-size checks happen in grad_accum_steps."""
+    t, d, m = cfg.train, cfg.data, cfg.model
+    for name in ("global_batch_size", "micro_batch_size"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                          f"train.micro_batch_size={t.micro_batch_size}")
+    if t.max_steps is None and t.epochs is None:
+        raise ConfigError("set train.max_steps and/or train.epochs: the run needs an end")
+    if t.max_steps is not None and t.max_steps <= 0:
+        raise ConfigError(f"train.max_steps must be positive, got {t.max_steps}")
+    if not 0.0 < d.mlm_probability < 1.0:
+        raise ConfigError(f"data.mlm_probability must be in (0, 1), got {d.mlm_probability}")
+    if d.max_seq_length > m.max_position_embeddings and m.name_or_path is None:
+        raise ConfigError(f"data.max_seq_length={d.max_seq_length} exceeds "
+                          f"model.max_position_embeddings={m.max_position_embeddings}")
+    if m.name_or_path is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
+                          f"model.num_attention_heads={m.num_attention_heads}")
+    if d.source == "hub" and not d.dataset_name:
+        raise ConfigError("data.source=hub needs data.dataset_name (e.g. wikitext or glue)")
+    if d.source == "files" and not d.train_files:
+        raise ConfigError("data.source=files needs data.train_files")
+    if cfg.task.kind == "classification":
+        if cfg.task.num_labels < 1:
+            raise ConfigError(f"task.num_labels must be >= 1 (1 = regression), got {cfg.task.num_labels}")
+        if m.name_or_path is None and cfg.tokenizer.name_or_path is None:
+            raise ConfigError("classification needs a tokenizer: set model.name_or_path (a pretrained "
+                              "or exported model) or tokenizer.name_or_path")
+        if cfg.task.label_names and len(cfg.task.label_names) != cfg.task.num_labels:
+            raise ConfigError(f"task.label_names has {len(cfg.task.label_names)} names but "
+                              f"task.num_labels={cfg.task.num_labels}")
+    if cfg.optim.warmup_steps is not None and cfg.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas needs two values, got {cfg.optim.betas}")
+    if cfg.checkpoint.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    from .metrics import available_metrics
+    for name in cfg.task.metrics or []:
+        if name not in available_metrics():
+            raise ConfigError(f"task.metrics: unknown metric '{name}' (available: {available_metrics()})")

@@ -1,0 +1,254 @@
+"""Datasets, tokenizers and collators.
+
+Raw text comes from the embedded sample, the Hub or local files, always through
+`datasets`, and is tokenized with `datasets.map` (batched, cached by fingerprint, so a
+second run with the same data and tokenizer loads the cached result instead of
+re-tokenizing).
+
+MLM masking is a pure function of (seed, epoch, example index): the same example is
+masked the same way whichever rank, worker or prefetch order reads it, which is what
+makes a resumed run equal an uninterrupted one.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig
+
+_FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
+                  ".csv": "csv", ".parquet": "parquet"}
+
+
+# ---------------------------------------------------------------------------- raw data
+def _builder_for(files: list[str]) -> str:
+    kinds = {_FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ConfigError(f"data files {files}: use one of the formats {sorted(_FILE_BUILDERS)} (all the same)")
+    return kinds.pop()
+
+
+def load_raw(data: DataConfig, task: TaskConfig, seed: int):
+    """-> DatasetDict with 'train' and 'eval' splits of raw rows."""
+    from datasets import DatasetDict, load_dataset
+
+    if data.source == "sample":
+        from .sample import build_sample
+        build_sample(data.sample_dir)   # idempotent; call under main_process_first
+        root = Path(data.sample_dir)
+        if task.kind == "mlm":
+            files = {"train": str(root / "pretrain/train.txt"), "validation": str(root / "pretrain/validation.txt")}
+            raw = load_dataset("text", data_files=files, cache_dir=data.cache_dir)
+        else:
+            files = {s: str(root / f"classify/{s}.jsonl") for s in ("train", "validation", "test")}
+            raw = load_dataset("json", data_files=files, cache_dir=data.cache_dir)
+    elif data.source == "hub":
+        raw = load_dataset(data.dataset_name, data.dataset_config, cache_dir=data.cache_dir)
+    else:
+        files = {"train": list(data.train_files)}
+        if data.validation_files:
+            files["validation"] = list(data.validation_files)
+        for f in sum(files.values(), []):
+            if not Path(f).exists():
+                raise ConfigError(f"data file not found: {f}")
+        raw = load_dataset(_builder_for(sum(files.values(), [])), data_files=files, cache_dir=data.cache_dir)
+
+    if data.train_split not in raw:
+        raise ConfigError(f"data.train_split='{data.train_split}' not in the dataset's splits {list(raw)}")
+    train = raw[data.train_split]
+    if data.eval_split in raw:
+        evaluation = raw[data.eval_split]
+    else:   # no eval split: hold out a seeded share of train
+        held = train.train_test_split(test_size=data.validation_split_percentage / 100, seed=seed)
+        train, evaluation = held["train"], held["test"]
+    if data.max_train_samples is not None:
+        train = train.select(range(min(data.max_train_samples, len(train))))
+    if data.max_eval_samples is not None:
+        evaluation = evaluation.select(range(min(data.max_eval_samples, len(evaluation))))
+
+    columns = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
+    if task.kind == "classification":
+        columns.append(data.label_column)
+    for col in columns:
+        if col not in train.column_names:
+            raise ConfigError(f"column '{col}' not in the training data (columns: {train.column_names}); "
+                              f"set data.text_column / data.text_pair_column / data.label_column")
+    return DatasetDict(train=train, eval=evaluation)
+
+
+def texts(dataset, data: DataConfig, batch_size: int = 1000):
+    """Iterate batches of non-empty strings from the text (and pair) columns."""
+    cols = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
+    for start in range(0, len(dataset), batch_size):
+        rows = dataset[start:start + batch_size]
+        yield [t for c in cols for t in rows[c] if t and t.strip()]
+
+
+# ---------------------------------------------------------------------------- tokenizer
+def train_wordpiece(batches, vocab_size: int, lowercase: bool):
+    """A BERT WordPiece tokenizer trained with the `tokenizers` library.
+
+    Not bit-reproducible: the trainer breaks ties between equally frequent merges in hash
+    order, so two trainings on the same text can differ slightly. The trained tokenizer is
+    saved with the run (and every export), which is what makes a run reproducible."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=lowercase)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2)
+    tok.train_from_iterator(batches, trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    return BertTokenizerFast(tokenizer_object=tok, do_lower_case=lowercase, unk_token="[UNK]", sep_token="[SEP]",
+                             pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
+
+
+def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, train_raw, data: DataConfig,
+                  save_dir: Path, is_main: bool, barrier):
+    """Load the configured tokenizer, or train one (on rank 0, once) and save it to save_dir.
+    A tokenizer already in save_dir (a resumed run) is reused, so resumes tokenize identically."""
+    from transformers import AutoTokenizer
+
+    name = tok_cfg.name_or_path or model_name_or_path
+    if name:
+        return AutoTokenizer.from_pretrained(name)
+    if not (save_dir / "tokenizer.json").exists():
+        if is_main:
+            tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
+            tmp = save_dir.with_name(save_dir.name + ".tmp")
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, save_dir)
+        barrier()
+    return AutoTokenizer.from_pretrained(str(save_dir))
+
+
+# ---------------------------------------------------------------------------- tokenization
+def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: list[str] | None = None):
+    """-> DatasetDict of model inputs. Cached by datasets' fingerprint of (data, function, tokenizer)."""
+    seq = data.max_seq_length
+    text_cols = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
+    columns = raw["train"].column_names
+
+    if task.kind == "mlm":
+        def encode(batch):
+            lines = [t for t in batch[data.text_column] if t and t.strip()]
+            if data.packing:
+                return tokenizer(lines, return_special_tokens_mask=True)
+            return tokenizer(lines, truncation=True, max_length=seq, return_special_tokens_mask=True)
+
+        tokenized = raw.map(encode, batched=True, num_proc=data.num_proc, remove_columns=columns,
+                            desc="tokenizing")
+        if data.packing:
+            def group(batch):
+                # concatenate every sequence, then cut into full blocks of max_seq_length; the tail is dropped
+                joined = {k: list(itertools.chain.from_iterable(batch[k])) for k in batch}
+                n = (len(joined["input_ids"]) // seq) * seq
+                return {k: [v[i:i + seq] for i in range(0, n, seq)] for k, v in joined.items()}
+
+            tokenized = tokenized.map(group, batched=True, num_proc=data.num_proc, desc=f"packing into {seq}-token blocks")
+        return tokenized
+
+    regression = task.num_labels == 1
+    label_feature = raw["train"].features.get(data.label_column)
+    string_labels = getattr(label_feature, "dtype", None) == "string"
+    if string_labels and not regression:
+        names = label_names or sorted(set(raw["train"][data.label_column]))
+        if len(names) != task.num_labels:
+            raise ConfigError(f"found {len(names)} distinct labels {names} but task.num_labels={task.num_labels}")
+        mapping = {n: i for i, n in enumerate(names)}
+    else:
+        mapping = None
+
+    def encode(batch):
+        args = [batch[c] for c in text_cols]
+        out = tokenizer(*args, truncation=True, max_length=seq)
+        labels = batch[data.label_column]
+        if mapping is not None:
+            unknown = {l for l in labels if l not in mapping}
+            if unknown:
+                raise ConfigError(f"labels {sorted(unknown)} not in {sorted(mapping)}")
+            labels = [mapping[l] for l in labels]
+        out["labels"] = [float(l) for l in labels] if regression else [int(l) for l in labels]
+        return out
+
+    return raw.map(encode, batched=True, num_proc=data.num_proc, remove_columns=columns, desc="tokenizing")
+
+
+# ---------------------------------------------------------------------------- collators
+class Indexed(Dataset):
+    """Adds each row's index as 'idx', which the MLM collator seeds its masking from."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return {**self.dataset[int(i)], "idx": int(i)}
+
+
+def _seed_of(*parts: int) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+class MLMCollator:
+    """Pads a batch and masks `mlm_probability` of its non-special tokens: 80% [MASK],
+    10% a random token, 10% unchanged. Labels are -100 everywhere else.
+
+    The masking of example i in epoch e depends only on (seed, e, i). Set `.epoch` before
+    each epoch (with persistent DataLoader workers the workers keep their own copy)."""
+
+    def __init__(self, tokenizer, mlm_probability: float, seed: int, pad_to_multiple_of: int | None = 8):
+        self.tokenizer = tokenizer
+        self.mlm_probability = mlm_probability
+        self.seed = seed
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.epoch = 0
+        self.vocab_size = len(tokenizer)
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        idx = [e["idx"] for e in examples]
+        features = [{k: v for k, v in e.items() if k != "idx"} for e in examples]
+        batch = self.tokenizer.pad(features, return_tensors="pt", pad_to_multiple_of=self.pad_to_multiple_of)
+        special = batch.pop("special_tokens_mask").bool() | (batch["attention_mask"] == 0)
+        inputs = batch["input_ids"].clone()
+        labels = batch["input_ids"].clone()
+        for row, i in enumerate(idx):
+            g = torch.Generator().manual_seed(_seed_of(self.seed, self.epoch, i))
+            n = inputs.shape[1]
+            chosen = (torch.rand(n, generator=g) < self.mlm_probability) & ~special[row]
+            action = torch.rand(n, generator=g)
+            random_ids = torch.randint(self.vocab_size, (n,), generator=g)
+            labels[row][~chosen] = -100
+            to_mask = chosen & (action < 0.8)
+            to_random = chosen & (action >= 0.8) & (action < 0.9)
+            inputs[row][to_mask] = self.tokenizer.mask_token_id
+            inputs[row][to_random] = random_ids[to_random]
+        batch["input_ids"], batch["labels"] = inputs, labels
+        return batch
+
+
+class ClassificationCollator:
+    """Dynamic padding (to a multiple of 8 for tensor cores); labels pass through."""
+
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None = 8):
+        self.tokenizer = tokenizer
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.epoch = 0
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        features = [{k: v for k, v in e.items() if k != "idx"} for e in examples]
+        return self.tokenizer.pad(features, return_tensors="pt", pad_to_multiple_of=self.pad_to_multiple_of)

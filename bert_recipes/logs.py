@@ -1,0 +1,83 @@
+"""Throughput accounting, metrics.json and the loss/eval plot."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+
+class Throughput:
+    """Counts what passed through the model since the last `read()`, on this rank.
+
+    tokens_real counts non-pad tokens (attention_mask), tokens_padded every position fed to
+    the model, so their ratio shows how much compute padding wastes."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.t0 = time.perf_counter()
+        self.samples = 0
+        self.tokens_real = 0
+        self.tokens_padded = 0
+        self.loss_sum = 0.0
+        self.micro_batches = 0
+        self.steps = 0
+
+    def add_micro_batch(self, batch: dict, loss: torch.Tensor):
+        ids = batch["input_ids"]
+        self.samples += ids.shape[0]
+        self.tokens_padded += ids.numel()
+        self.tokens_real += int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()
+        self.loss_sum += float(loss.detach())
+        self.micro_batches += 1
+
+    def read(self, accelerator) -> dict[str, float]:
+        """Sums over ranks (one small all-reduce), then rates over the window's wall time."""
+        elapsed = time.perf_counter() - self.t0
+        local = torch.tensor([self.samples, self.tokens_real, self.tokens_padded, self.loss_sum,
+                              self.micro_batches], dtype=torch.float64, device=accelerator.device)
+        total = accelerator.reduce(local, reduction="sum").tolist()
+        samples, real, padded, loss_sum, micro = total
+        out = {"loss": loss_sum / max(micro, 1),
+               "samples_per_sec": samples / elapsed,
+               "tokens_per_sec": real / elapsed,
+               "padded_tokens_per_sec": padded / elapsed,
+               "step_time_s": elapsed / max(self.steps, 1)}
+        self.reset()
+        return out
+
+
+def write_metrics(path: Path, final: dict, history: dict, extra: dict) -> None:
+    path.write_text(json.dumps({"final": final, "history": history, **extra}, indent=2, default=str))
+
+
+def plot_curves(path: Path, history: dict, title: str) -> None:
+    """Training loss (left) and every eval metric (right) against optimizer steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, evals = history.get("train", []), history.get("eval", [])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    loss_evals = [r for r in evals if "eval_loss" in r]
+    if loss_evals:
+        ax1.plot([r["step"] for r in loss_evals], [r["eval_loss"] for r in loss_evals], "o-", label="eval loss")
+    ax1.set_xlabel("optimizer step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.grid(alpha=0.3)
+    keys = sorted({k for r in evals for k, v in r.items()
+                   if k not in ("step", "eval_loss", "eval_samples", "perplexity") and isinstance(v, float)
+                   and math.isfinite(v)})
+    for k in keys:
+        ax2.plot([r["step"] for r in evals if k in r], [r[k] for r in evals if k in r], "o-", label=k)
+    if keys:
+        ax2.legend()
+    ax2.set_xlabel("optimizer step"), ax2.set_title("eval metrics"), ax2.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

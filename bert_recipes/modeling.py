@@ -1,0 +1,92 @@
+"""Model construction. The model knows nothing about parallelism: train.py hands it to
+Accelerate, which applies whichever backend the launch config names."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import BertForMaskedLM
+from transformers.modeling_outputs import MaskedLMOutput
+
+from .config import ModelConfig, TaskConfig
+
+
+class BertForMaskedLMSparse(BertForMaskedLM):
+    """BertForMaskedLM that runs the prediction head on the masked positions only.
+
+    The head (transform + vocab projection) is the largest matmul of a small BERT and 85% of
+    its rows are thrown away by the loss; gathering the ~15% selected positions first gives the
+    same loss and gradients at a fraction of the cost (as in NVIDIA's and cramming's BERT).
+    With labels, `logits` holds one row per selected token, in row-major order of the labels.
+    The weights and the export are those of a plain BertForMaskedLM."""
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, **kwargs):
+        if labels is None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                   position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
+        hidden = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                           position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True,
+                           **kwargs).last_hidden_state
+        selected = labels != -100
+        logits = self.cls(hidden[selected])
+        loss = F.cross_entropy(logits.float(), labels[selected])
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        config_file = Path(save_directory) / "config.json"
+        if config_file.exists():   # exported as what it is: a BertForMaskedLM
+            config = json.loads(config_file.read_text())
+            config["architectures"] = ["BertForMaskedLM"]
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def mlm_class(model_cfg: ModelConfig):
+    return BertForMaskedLMSparse if model_cfg.sparse_mlm_head else BertForMaskedLM
+
+
+def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer):
+    """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+
+    overrides = {k: v for k, v in (("hidden_dropout_prob", model_cfg.hidden_dropout_prob),
+                                   ("attention_probs_dropout_prob", model_cfg.attention_probs_dropout_prob))
+                 if v is not None}
+    labels = {}
+    if task.kind == "classification":
+        labels = {"num_labels": task.num_labels,
+                  "problem_type": "regression" if task.num_labels == 1 else "single_label_classification"}
+        if task.label_names:
+            labels["id2label"] = dict(enumerate(task.label_names))
+            labels["label2id"] = {n: i for i, n in enumerate(task.label_names)}
+
+    if model_cfg.name_or_path:
+        config = AutoConfig.from_pretrained(model_cfg.name_or_path, **overrides, **labels)
+        if task.kind == "mlm" and config.model_type != "bert":
+            raise ValueError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model; "
+                             "mlm pretraining here builds BERT (model_type bert)")
+        auto = mlm_class(model_cfg) if task.kind == "mlm" else AutoModelForSequenceClassification
+        model = auto.from_pretrained(model_cfg.name_or_path, config=config,
+                                     attn_implementation=model_cfg.attn_implementation)
+        if len(tokenizer) > model.config.vocab_size:
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                             f"{model.config.vocab_size}: they do not belong together")
+    else:
+        config = BertConfig(
+            vocab_size=len(tokenizer), hidden_size=model_cfg.hidden_size,
+            num_hidden_layers=model_cfg.num_hidden_layers, num_attention_heads=model_cfg.num_attention_heads,
+            intermediate_size=model_cfg.intermediate_size,
+            max_position_embeddings=model_cfg.max_position_embeddings,
+            pad_token_id=tokenizer.pad_token_id, **overrides, **labels)
+        config._attn_implementation = model_cfg.attn_implementation
+        model = (mlm_class(model_cfg) if task.kind == "mlm" else BertForSequenceClassification)(config)
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

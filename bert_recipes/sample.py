@@ -1,0 +1,184 @@
+"""The embedded sample: a pretraining corpus and a classification task built from
+the Python standard library's own documentation, so the demo and tests need no download.
+
+Nothing is imported from the standard library's modules: docstrings are read with `ast`
+from the `.py` files, and `pydoc_data.topics` (the language reference topics) is the only
+data module loaded. Files are visited in sorted order and every split decision is a hash
+of a file's relative path, so the same Python gives the same files on every machine.
+
+Classification task: docstring -> which area of the standard library it documents.
+The split is *by module*: all docstrings of one .py file land in one split, so near
+duplicates (overloads, subclasses restating their parent) cannot leak across splits.
+The validation and test modules are also kept out of the pretraining corpus.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import sysconfig
+from collections import Counter
+from pathlib import Path
+
+# label -> top-level stdlib packages/modules it covers (8 classes)
+AREAS: dict[str, tuple[str, ...]] = {
+    "asyncio": ("asyncio",),
+    "email": ("email", "mailbox", "smtplib", "imaplib", "poplib", "mimetypes"),
+    "xml_json": ("xml", "json", "xmlrpc", "plistlib"),
+    "unittest": ("unittest", "doctest"),
+    "http_urllib": ("http", "urllib", "wsgiref"),
+    "concurrency": ("multiprocessing", "concurrent", "threading", "queue"),
+    "tkinter": ("tkinter", "turtle"),
+    "importlib": ("importlib", "pkgutil", "zipimport"),
+}
+LABELS = sorted(AREAS)
+SPLIT_FRACTIONS = {"train": 0.7, "validation": 0.15, "test": 0.15}
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "idlelib"}
+MIN_DOC_CHARS = 30
+MAX_DOC_CHARS = 2000
+FORMAT_VERSION = 2   # bump when the build changes, so cached copies are rebuilt
+
+
+def _stdlib_files(root: Path) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        files += [Path(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _docstrings(path: Path) -> list[str]:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    docs = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc:
+                doc = re.sub(r"\s+", " ", doc).strip()[:MAX_DOC_CHARS]
+                if len(doc) >= MIN_DOC_CHARS:
+                    docs.append(doc)
+    return docs
+
+
+def _area(rel: str) -> str | None:
+    top = rel.split("/")[0].removesuffix(".py")
+    for label, tops in AREAS.items():
+        if top in tops:
+            return label
+    return None
+
+
+def _hash(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def _split_modules(modules: dict[str, list[str]]) -> dict[str, str]:
+    """Assign each module of one area to a split, greedily by docstring count: largest
+    module first (ties by hash), each to the split furthest below its target share.
+    Deterministic, and the biggest files (tkinter/__init__.py) land in train."""
+    counts = {s: 0 for s in SPLIT_FRACTIONS}
+    total = sum(len(d) for d in modules.values())
+    assignment = {}
+    for rel in sorted(modules, key=lambda r: (-len(modules[r]), _hash(r))):
+        split = min(SPLIT_FRACTIONS, key=lambda s: (counts[s] - SPLIT_FRACTIONS[s] * total) / SPLIT_FRACTIONS[s])
+        assignment[rel] = split
+        counts[split] += len(modules[rel])
+    return assignment
+
+
+def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> dict:
+    """Write the sample under `out_dir` (idempotent) and return its manifest:
+
+    out_dir/pretrain/{train,validation}.txt   one paragraph per line
+    out_dir/classify/{train,validation,test}.jsonl   {"text": ..., "label": int, "area": str}
+    out_dir/manifest.json   counts, label names, majority baseline, content hashes
+    """
+    out = Path(out_dir)
+    manifest_path = out / "manifest.json"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format_version") == FORMAT_VERSION:
+            return manifest
+    root = Path(stdlib_root or sysconfig.get_paths()["stdlib"])
+
+    by_area: dict[str, dict[str, list[str]]] = {label: {} for label in LABELS}
+    other_docs: list[str] = []
+    for path in _stdlib_files(root):
+        rel = path.relative_to(root).as_posix()
+        docs = _docstrings(path)
+        area = _area(rel)
+        if area is None:
+            other_docs += docs
+        elif docs:
+            by_area[area][rel] = docs
+
+    seen: set[str] = set()   # exact duplicates are kept once, in the first split that has them
+    examples = {s: [] for s in SPLIT_FRACTIONS}
+    pretrain_docs = list(other_docs)
+    for label in LABELS:
+        assignment = _split_modules(by_area[label])
+        for rel in sorted(by_area[label]):
+            split = assignment[rel]
+            for doc in by_area[label][rel]:
+                if doc in seen:
+                    continue
+                seen.add(doc)
+                examples[split].append({"text": doc, "label": LABELS.index(label), "area": label, "module": rel})
+                if split == "train":
+                    pretrain_docs.append(doc)
+
+    from pydoc_data.topics import topics   # the language reference, ~465 KB of English
+    paragraphs = [re.sub(r"\s+", " ", p).strip() for key in sorted(topics) for p in topics[key].split("\n\n")]
+    held_out = {r["text"] for s in ("validation", "test") for r in examples[s]}
+    # a held-out docstring repeated elsewhere (an inherited or copied docstring) stays out too
+    paragraphs = [p for p in paragraphs + pretrain_docs if len(p) >= MIN_DOC_CHARS and p not in held_out]
+    # 1 paragraph in 50 (by hash) is held out for MLM validation
+    pre_val = [p for p in paragraphs if int(_hash(p)[:8], 16) % 50 == 0]
+    pre_train = [p for p in paragraphs if int(_hash(p)[:8], 16) % 50 != 0]
+
+    (out / "pretrain").mkdir(parents=True, exist_ok=True)
+    (out / "classify").mkdir(parents=True, exist_ok=True)
+    files = {"pretrain/train.txt": pre_train, "pretrain/validation.txt": pre_val}
+    for name, lines in files.items():
+        (out / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for split, rows in examples.items():
+        (out / "classify" / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+    train_counts = Counter(r["label"] for r in examples["train"])
+    majority = train_counts.most_common(1)[0][0]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "python_stdlib": str(root),
+        "labels": LABELS,
+        "areas": {k: list(v) for k, v in AREAS.items()},
+        "pretrain_lines": {"train": len(pre_train), "validation": len(pre_val)},
+        "pretrain_chars": sum(len(p) for p in pre_train),
+        "classify_examples": {s: len(r) for s, r in examples.items()},
+        "classify_label_counts": {s: dict(sorted(Counter(LABELS[r["label"]] for r in rows).items()))
+                                  for s, rows in examples.items()},
+        "majority_label": LABELS[majority],
+        "majority_baseline_accuracy": {s: sum(r["label"] == majority for r in rows) / max(len(rows), 1)
+                                       for s, rows in examples.items()},
+        "sha256": {name: _hash((out / name).read_text(encoding="utf-8"))
+                   for name in [*files, *(f"classify/{s}.jsonl" for s in examples)]},
+    }
+    tmp = manifest_path.with_suffix(".tmp")   # the manifest is written last: its presence means "complete"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(manifest_path)
+    return manifest
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", default="data/sample")
+    args = parser.parse_args()
+    m = build_sample(args.out_dir)
+    print(json.dumps({k: m[k] for k in ("pretrain_lines", "pretrain_chars", "classify_examples",
+                                        "majority_label", "majority_baseline_accuracy")}, indent=2))

@@ -1,0 +1,103 @@
+"""Shared fixtures: offline environment, the embedded sample built once per session, a tiny
+BERT recipe (2 layers, hidden 32, sequence 32) and launchers for in-process and real
+multi-process runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+@pytest.fixture(scope="session")
+def sample_dir(tmp_path_factory) -> Path:
+    from bert_recipes.sample import build_sample
+    out = tmp_path_factory.mktemp("sample")
+    build_sample(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shared_tokenizer(sample_dir, tmp_path_factory) -> Path:
+    """One trained WordPiece tokenizer (vocab 1000) for runs that must be compared with each
+    other: the tokenizers library's trainer breaks ties in hash order, so two trainings on the
+    same text can differ."""
+    from bert_recipes.config import Config
+    from bert_recipes.data import load_raw, texts, train_wordpiece
+    cfg = Config()
+    cfg.data.sample_dir, cfg.data.max_train_samples = str(sample_dir), 1200
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_wordpiece(texts(load_raw(cfg.data, cfg.task, seed=0)["train"], cfg.data), 1000, True).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def datasets_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf_datasets_cache")
+
+
+def tiny_args(out_dir: Path, sample_dir: Path, cache: Path, task: str = "mlm", **extra) -> list[str]:
+    """Overrides that shrink any recipe to a seconds-long CPU run."""
+    args = {
+        "run.output_dir": out_dir, "run.seed": 7,
+        "data.source": "sample", "data.sample_dir": sample_dir, "data.cache_dir": cache,
+        "data.max_seq_length": 32, "data.max_eval_samples": 96,
+        "model.hidden_size": 32, "model.num_hidden_layers": 2, "model.num_attention_heads": 2,
+        "model.intermediate_size": 64, "model.max_position_embeddings": 64,
+        "tokenizer.vocab_size": 1000,
+        "optim.lr": 3e-3, "optim.warmup_steps": 2,
+        "train.global_batch_size": 16, "train.micro_batch_size": 8, "train.max_steps": 24,
+        "logging.log_every": 4, "logging.trackers": "[]", "logging.progress_bar": False, "logging.plot": False,
+    }
+    if task == "mlm":
+        args.update({"task.kind": "mlm", "data.max_train_samples": 1200})
+    else:
+        args.update({"task.kind": "classification", "task.num_labels": 8, "data.max_train_samples": 512,
+                     "optim.lr": 2e-3})
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:
+    """Run train.main in this process (one process); Accelerate's singletons are reset around it."""
+    import train
+    from accelerate.state import AcceleratorState, GradientState
+    from bert_recipes.config import load_config
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+        assert var not in os.environ, f"{var} is set: in-process runs must be single-process"
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        return train.main(load_config(recipe, overrides))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher: str = "accelerate",
+           timeout: int = 600, env: dict | None = None) -> dict:
+    """Run train.py as a real multi-process job on CPU; return its metrics.json (final, history, config)."""
+    out_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.output_dir=")))
+    bin_dir = Path(sys.executable).parent
+    if launcher == "accelerate":
+        cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", str(REPO / "accelerate_configs/cpu.yaml"),
+               "--num_processes", str(nproc), "--main_process_port", str(29500 + os.getpid() % 1000)]
+    else:
+        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
+               str(29500 + os.getpid() % 1000)]
+    cmd += [str(REPO / "train.py")] + (["--recipe", recipe] if recipe else []) + [f"--{o}" for o in overrides]
+    full_env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    (out_dir.parent / f"{out_dir.name}.log").write_text(log)
+    assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{log[-6000:]}"
+    return json.loads((out_dir / "metrics.json").read_text())

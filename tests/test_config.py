@@ -1,0 +1,126 @@
+"""Config: recipes parse, overrides apply in order, bad input fails with a message naming the key."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bert_recipes.config import Config, ConfigError, grad_accum_steps, load_config, to_yaml, validate
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_validate_with_an_end():
+    cfg = load_config(None, ["train.max_steps=10"])
+    validate(cfg)
+    assert cfg.train.max_steps == 10 and cfg.data.mlm_probability == 0.15
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_loads_and_validates(recipe):
+    cfg = load_config(recipe)
+    validate(cfg)
+    grad_accum_steps(cfg.train, 1)   # every recipe must at least run on one process
+    header = recipe.read_text().splitlines()[0]
+    assert header.startswith("# "), f"{recipe.name} must open with a header comment"
+    text = recipe.read_text()
+    assert "Launch:" in text and "Hardware:" in text and "Time:" in text, f"{recipe.name}: header incomplete"
+
+
+def test_recipe_then_override_precedence(tmp_path):
+    path = write(tmp_path, "optim:\n  lr: 0.5\ntrain:\n  max_steps: 3\n")
+    cfg = load_config(path, ["optim.lr=1e-4", "run.name=007", "data.train_files=[a.txt, b.txt]",
+                             "model.name_or_path=null"])
+    assert cfg.optim.lr == 1e-4          # override beats recipe
+    assert cfg.train.max_steps == 3      # recipe beats default
+    assert cfg.run.name == "007"         # text fields keep the text as written
+    assert cfg.data.train_files == ["a.txt", "b.txt"]
+    assert cfg.model.name_or_path is None
+
+
+def test_int_is_accepted_for_float(tmp_path):
+    cfg = load_config(write(tmp_path, "optim:\n  lr: 1\n"))
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+
+
+@pytest.mark.parametrize("text, key", [
+    ("optim:\n  learning_rate: 0.1\n", "optim.learning_rate"),
+    ("trainer:\n  max_steps: 1\n", "trainer"),
+    ("train:\n  max_steps: ten\n", "train.max_steps"),
+    ("train:\n  max_steps: 1.5\n", "train.max_steps"),
+    ("train:\n  mixed_precision: fp8\n", "train.mixed_precision"),
+    ("task:\n  metrics: accuracy\n", "task.metrics"),
+    ("model:\n  gradient_checkpointing: 1\n", "model.gradient_checkpointing"),
+    ("optim: 3\n", "optim"),
+])
+def test_bad_recipe_names_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.max_step=3", "train.max_step"),
+    ("nosuch.key=3", "nosuch.key"),
+    ("optim.lr=fast", "optim.lr"),
+    ("max_steps=3", "max_steps"),
+])
+def test_bad_override_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_batch_divisibility_error_shows_the_numbers():
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 48, 8
+    assert grad_accum_steps(cfg.train, 2) == 3
+    with pytest.raises(ConfigError, match=r"global_batch_size=48.*micro_batch_size=8 x world_size=4 = 32"):
+        grad_accum_steps(cfg.train, 4)
+    cfg.train.global_batch_size, cfg.train.max_steps = 50, 1
+    with pytest.raises(ConfigError, match="global_batch_size=50 is not a multiple of train.micro_batch_size=8"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.global_batch_size=64"], "needs an end"),
+    (["train.max_steps=1", "task.kind=classification"], "classification needs a tokenizer"),
+    (["train.max_steps=1", "data.max_seq_length=1024"], "exceeds model.max_position_embeddings"),
+    (["train.max_steps=1", "data.source=hub"], "needs data.dataset_name"),
+    (["train.max_steps=1", "task.metrics=[accuracy, bleu]"], "unknown metric 'bleu'"),
+    (["train.max_steps=1", "data.mlm_probability=1.5"], "mlm_probability"),
+])
+def test_relations_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, overrides))
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(REPO / "recipes/tiny-mlm.yaml", ["optim.lr=0.25"])
+    again = load_config(write(tmp_path, to_yaml(cfg)))
+    assert again == cfg
+
+
+def test_print_config_cli():
+    out = subprocess.run([sys.executable, "train.py", "--recipe", "recipes/tiny-mlm.yaml", "--print-config",
+                          "--optim.lr=0.125", "--resume", "auto"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["optim"]["lr"] == 0.125 and resolved["checkpoint"]["resume"] == "auto"
+    assert resolved["model"]["hidden_size"] == 128   # from the recipe
+
+
+def test_cli_reports_config_errors_cleanly():
+    out = subprocess.run([sys.executable, "train.py", "--recipe", "recipes/tiny-mlm.yaml", "--optim.lrr=1"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "config error: unknown key 'optim.lrr'" in out.stderr
+    assert "Traceback" not in out.stderr

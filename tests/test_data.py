@@ -1,0 +1,136 @@
+"""Embedded sample, tokenizer training, tokenization cache and MLM masking."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from bert_recipes.config import Config, ConfigError
+from bert_recipes.data import Indexed, MLMCollator, load_raw, texts, tokenize, train_wordpiece
+from bert_recipes.sample import LABELS, build_sample
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sample_is_reproducible(sample_dir, tmp_path):
+    again = build_sample(tmp_path / "again")
+    first = json.loads((sample_dir / "manifest.json").read_text())
+    assert again["sha256"] == first["sha256"]
+
+
+def test_sample_split_is_by_module_and_leak_free(sample_dir):
+    splits = {s: read_jsonl(sample_dir / f"classify/{s}.jsonl") for s in ("train", "validation", "test")}
+    modules = {s: {r["module"] for r in rows} for s, rows in splits.items()}
+    text_sets = {s: {r["text"] for r in rows} for s, rows in splits.items()}
+    for a, b in [("train", "validation"), ("train", "test"), ("validation", "test")]:
+        assert not modules[a] & modules[b], f"modules shared by {a} and {b}"
+        assert not text_sets[a] & text_sets[b], f"texts shared by {a} and {b}"
+    for s, rows in splits.items():   # every class is present in every split
+        assert set(Counter(r["area"] for r in rows)) == set(LABELS), s
+    assert 6 <= len(LABELS) <= 10
+    # held-out docstrings are not in the pretraining corpus either
+    corpus = set((sample_dir / "pretrain/train.txt").read_text().splitlines())
+    assert not corpus & (text_sets["validation"] | text_sets["test"])
+    assert len(corpus) > 5000
+
+
+def test_manifest_reports_majority_baseline(sample_dir):
+    m = json.loads((sample_dir / "manifest.json").read_text())
+    train = read_jsonl(sample_dir / "classify/train.jsonl")
+    majority = Counter(r["area"] for r in train).most_common(1)[0][0]
+    assert m["majority_label"] == majority
+    val = read_jsonl(sample_dir / "classify/validation.jsonl")
+    assert m["majority_baseline_accuracy"]["validation"] == pytest.approx(
+        sum(r["area"] == majority for r in val) / len(val))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(sample_dir):
+    cfg = Config()
+    cfg.data.sample_dir = str(sample_dir)
+    raw = load_raw(cfg.data, cfg.task, seed=0)
+    return train_wordpiece(texts(raw["train"], cfg.data), vocab_size=2000, lowercase=True)
+
+
+def test_trained_wordpiece_tokenizer(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+    assert 1000 < len(tokenizer) <= 2000
+    enc = tokenizer("Return the asyncio event loop.", "Second sentence")
+    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"])
+    assert tokens[0] == "[CLS]" and tokens.count("[SEP]") == 2 and 1 in enc["token_type_ids"]
+    assert "[UNK]" not in tokens
+    tokenizer.save_pretrained(tmp_path / "tok")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert reloaded("event loop")["input_ids"] == tokenizer("event loop")["input_ids"]
+
+
+def test_packing_gives_full_blocks_and_tokenization_is_cached(sample_dir, tokenizer, tmp_path):
+    cfg = Config()
+    cfg.data.sample_dir, cfg.data.cache_dir = str(sample_dir), str(tmp_path / "cache")
+    cfg.data.max_seq_length, cfg.data.max_train_samples = 64, 500
+    raw = load_raw(cfg.data, cfg.task, seed=0)
+    first = tokenize(raw, tokenizer, cfg.task, cfg.data)
+    assert {len(ids) for ids in first["train"]["input_ids"]} == {64}
+    files = [f["filename"] for f in first["train"].cache_files]
+    mtimes = {f: (tmp_path / f).stat().st_mtime_ns for f in files}
+    second = tokenize(load_raw(cfg.data, cfg.task, seed=0), tokenizer, cfg.task, cfg.data)
+    assert [f["filename"] for f in second["train"].cache_files] == files   # same fingerprint
+    assert {f: (tmp_path / f).stat().st_mtime_ns for f in files} == mtimes  # read, not rewritten
+
+
+def test_line_by_line_pads_dynamically(sample_dir, tokenizer):
+    cfg = Config()
+    cfg.data.sample_dir, cfg.data.packing, cfg.data.max_seq_length, cfg.data.max_train_samples = \
+        str(sample_dir), False, 48, 200
+    data = tokenize(load_raw(cfg.data, cfg.task, seed=0), tokenizer, cfg.task, cfg.data)
+    lengths = [len(x) for x in data["train"]["input_ids"]]
+    assert max(lengths) <= 48 and min(lengths) < 48
+    collate = MLMCollator(tokenizer, 0.15, seed=0)
+    batch = collate([Indexed(data["train"])[i] for i in range(8)])
+    assert batch["input_ids"].shape[1] % 8 == 0
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()   # padding is never a target
+
+
+def test_mlm_masking_80_10_10_and_deterministic(tokenizer):
+    seq = [tokenizer.cls_token_id] + list(range(10, 10 + 254)) + [tokenizer.sep_token_id]
+    examples = [{"input_ids": seq, "attention_mask": [1] * 256, "token_type_ids": [0] * 256,
+                 "special_tokens_mask": [1] + [0] * 254 + [1], "idx": i} for i in range(200)]
+    collate = MLMCollator(tokenizer, 0.15, seed=3)
+    batch = collate(examples)
+    original = torch.tensor(seq).expand(200, -1)
+    chosen = batch["labels"] != -100
+    assert (batch["labels"][chosen] == original[chosen]).all()
+    assert not chosen[:, 0].any() and not chosen[:, -1].any()         # [CLS]/[SEP] never chosen
+    n = chosen.sum().item()
+    assert 0.14 < n / (200 * 254) < 0.16
+    masked = (batch["input_ids"] == tokenizer.mask_token_id) & chosen
+    kept = (batch["input_ids"] == original) & chosen
+    assert 0.77 < masked.sum().item() / n < 0.83
+    assert 0.08 < kept.sum().item() / n < 0.12                        # ~10% kept (+ random hits of itself)
+    # a pure function of (seed, epoch, idx): order and batch composition do not matter
+    again = collate(list(reversed(examples)))
+    assert torch.equal(again["input_ids"].flip(0), batch["input_ids"])
+    collate.epoch = 1
+    assert not torch.equal(collate(examples)["input_ids"], batch["input_ids"])
+
+
+def test_classification_with_string_labels(tmp_path, tokenizer):
+    rows = [{"sentence": f"good {i}", "other": f"x {i}", "label": "pos"} for i in range(10)] + \
+           [{"sentence": f"bad {i}", "other": f"y {i}", "label": "neg"} for i in range(10)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = Config()
+    cfg.task.kind, cfg.task.num_labels = "classification", 2
+    cfg.data.source, cfg.data.train_files = "files", [str(tmp_path / "train.jsonl")]
+    cfg.data.text_column, cfg.data.text_pair_column = "sentence", "other"
+    cfg.data.validation_split_percentage = 20
+    raw = load_raw(cfg.data, cfg.task, seed=0)
+    assert len(raw["eval"]) == 4 and len(raw["train"]) == 16
+    data = tokenize(raw, tokenizer, cfg.task, cfg.data, label_names=["neg", "pos"])
+    assert sorted(set(data["train"]["labels"])) == [0, 1]
+    cfg.data.text_column = "missing"
+    with pytest.raises(ConfigError, match="column 'missing' not in the training data"):
+        load_raw(cfg.data, cfg.task, seed=0)
