@@ -64,7 +64,9 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
     train = raw[data.train_split]
     if data.eval_split in raw:
         evaluation = raw[data.eval_split]
-    else:   # no eval split: hold out a seeded share of train
+    elif set(raw) - {data.train_split}:
+        raise ConfigError(f"data.eval_split='{data.eval_split}' not in the dataset's splits {list(raw)}")
+    else:   # train is the only split: hold out a seeded share of it
         held = train.train_test_split(test_size=data.validation_split_percentage / 100, seed=seed)
         train, evaluation = held["train"], held["test"]
     if data.max_train_samples is not None:

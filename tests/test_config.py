@@ -124,3 +124,16 @@ def test_cli_reports_config_errors_cleanly():
     assert out.returncode != 0
     assert "config error: unknown key 'optim.lrr'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+ACCELERATE_CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=[p.stem for p in ACCELERATE_CONFIGS])
+def test_accelerate_configs_parse_and_every_line_is_annotated(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+    config = load_config_from_file(str(path))   # what `accelerate launch --config_file` reads
+    assert config.num_processes >= 1 and config.distributed_type is not None
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            assert "#" in line, f"{path.name}: line without a comment: {line!r}"

@@ -134,3 +134,27 @@ def test_classification_with_string_labels(tmp_path, tokenizer):
     cfg.data.text_column = "missing"
     with pytest.raises(ConfigError, match="column 'missing' not in the training data"):
         load_raw(cfg.data, cfg.task, seed=0)
+
+
+def test_hub_source_code_path_with_a_local_dataset_directory(tmp_path):
+    """data.source=hub calls datasets.load_dataset(dataset_name, dataset_config) exactly as for
+    'glue'/'sst2'; offline it is exercised with a dataset directory instead of a Hub name."""
+    root = tmp_path / "my_glue_like"
+    root.mkdir()
+    for split, n in (("train", 30), ("validation", 10)):
+        (root / f"{split}.jsonl").write_text("".join(
+            json.dumps({"sentence": f"text {split} {i}", "label": i % 2}) + "\n" for i in range(n)))
+    cfg = Config()
+    cfg.task.kind, cfg.data.source, cfg.data.dataset_name = "classification", "hub", str(root)
+    cfg.data.text_column = "sentence"
+    raw = load_raw(cfg.data, cfg.task, seed=0)
+    assert (len(raw["train"]), len(raw["eval"])) == (30, 10)
+    cfg.data.eval_split = "validation_matched"   # a typo must not silently eat training data
+    with pytest.raises(ConfigError, match="eval_split='validation_matched' not in the dataset's splits"):
+        load_raw(cfg.data, cfg.task, seed=0)
+    (root / "validation.jsonl").unlink()         # train only: a seeded 5% is held out
+    raw = load_raw(cfg.data, cfg.task, seed=0)
+    assert len(raw["train"]) + len(raw["eval"]) == 30 and len(raw["eval"]) >= 1
+    cfg.data.train_split = "nope"
+    with pytest.raises(ConfigError, match="train_split='nope' not in the dataset's splits"):
+        load_raw(cfg.data, cfg.task, seed=0)
