@@ -95,7 +95,8 @@ def test_regression_reports_correlations(tmp_path, mlm_run, datasets_cache, samp
     metrics = run_in_process(tiny_args(tmp_path / "sts", sample_dir, datasets_cache, task="classification", **{
         "model.name_or_path": out / "model", "task.num_labels": 1, "data.source": "files",
         "data.train_files": f"[{train}]", "data.validation_files": f"[{val}]", "data.text_column": "a",
-        "data.label_column": "score", "data.max_eval_samples": "null", "train.max_steps": 40}))
+        "data.label_column": "score", "data.max_eval_samples": "null", "train.max_steps": 60,
+        "optim.lr": 3e-3, "optim.max_grad_norm": 0}))   # MSE on 0-5 targets: clipping at 1 stalls a tiny head
     assert metrics["pearsonr"] > 0.8 and metrics["spearmanr"] > 0.7, metrics
     assert "majority_baseline_accuracy" not in metrics
 
