@@ -5,9 +5,10 @@ PYTHON   ?= python3
 VENV     ?= .venv
 PY       := $(VENV)/bin/python
 ACCEL    := $(VENV)/bin/accelerate
-NPROC    ?= 2
+NPROC    ?=
+MACHINE_RANK ?= 0
 RECIPE   ?= recipes/tiny-mlm.yaml
-CONFIG   ?= accelerate_configs/cpu.yaml
+CONFIG   ?=
 ARGS     ?=
 
 export HF_HUB_OFFLINE=1
@@ -15,10 +16,10 @@ export HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 
-.PHONY: help setup demo test ddp print-config clean
+.PHONY: help setup demo test print-config clean
 
 help:  ## list the targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,18 +31,42 @@ setup: $(VENV)/.installed  ## create .venv and install requirements.txt
 
 demo: setup  ## pretrain a tiny BERT on 2 CPU processes, fine-tune it, print a summary (~10 min)
 	$(PY) -m bert_recipes.sample data/sample
-	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(NPROC) \
+	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/cpu.yaml $(NPROC_ARG) \
 		train.py --recipe recipes/tiny-mlm.yaml --logging.progress_bar=false $(ARGS)
-	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(NPROC) \
+	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/cpu.yaml $(NPROC_ARG) \
 		train.py --recipe recipes/tiny-classify.yaml --logging.progress_bar=false $(ARGS)
 	$(PY) -m bert_recipes.summary runs/tiny-mlm runs/tiny-classify
 
 test: setup  ## run the test suite (CPU, offline)
 	$(PY) -m pytest tests -v -ra --durations=15
 
-ddp: setup  ## RECIPE on NPROC processes with DDP (CPU=1 ... is implied when no GPU: uses gloo)
-	ACCELERATE_USE_CPU=$(if $(CPU),1,$(shell $(PY) -c "import torch;print(0 if torch.cuda.is_available() else 1)")) \
-		$(ACCEL) launch --config_file $(CONFIG) --num_processes $(NPROC) train.py --recipe $(RECIPE) $(ARGS)
+# ---------------------------------------------------------------- one target per parallelism mode
+# make zero3 RECIPE=recipes/bert-large-mlm.yaml        on the GPUs in accelerate_configs/zero3.yaml
+# make zero3 CPU=1                                     the same on 2 CPU processes (no GPU needed)
+# NPROC=4 overrides the process count, CONFIG=... the accelerate config. The table of modes is
+# accelerate_configs/backends.tsv (the tests read the same file).
+BACKENDS := accelerate_configs/backends.tsv
+MODES    := $(shell awk -F'\t' '!/^\#/ {print $$1}' $(BACKENDS))
+col       = $(shell awk -F'\t' '$$1=="$(1)" {print $$$(2)}' $(BACKENDS))
+NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2))
+# CPU=1: DDP needs ACCELERATE_USE_CPU (gloo); DeepSpeed needs DS_ACCELERATOR=cpu instead (with
+# ACCELERATE_USE_CPU Accelerate would silently drop DeepSpeed); FSDP is refused by train.py.
+CPU_ENV   = $(if $(CPU),$(if $(filter deepspeed,$(call col,$@,5)),DS_ACCELERATOR=cpu,ACCELERATE_USE_CPU=1))
+
+.PHONY: $(MODES)
+ddp fsdp zero1 zero2 zero2-offload zero3 zero3-offload zero3-nvme: setup  ## e.g. make zero3 [CPU=1] [RECIPE=...] [NPROC=n]
+	$(CPU_ENV) $(ACCEL) launch --config_file $(or $(CONFIG),$(if $(and $(CPU),$(filter ddp,$@)),accelerate_configs/cpu.yaml,$(call col,$@,2))) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
+
+multinode: setup  ## on each node: make multinode MACHINE_RANK=<0|1> MAIN_IP=<main node ip>; CPU=1 runs 2 "nodes" on 127.0.0.1
+ifdef CPU
+	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/multinode.yaml --num_machines 2 --num_processes 2 \
+		--machine_rank 1 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS) & \
+	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/multinode.yaml --num_machines 2 --num_processes 2 \
+		--machine_rank 0 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS); wait
+else
+	$(ACCEL) launch --config_file $(or $(CONFIG),accelerate_configs/multinode.yaml) --machine_rank $(MACHINE_RANK) \
+		$(if $(MAIN_IP),--main_process_ip $(MAIN_IP)) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
+endif
 
 print-config: setup  ## show the resolved config of RECIPE (with ARGS overrides)
 	$(PY) train.py --recipe $(RECIPE) --print-config $(ARGS)

@@ -23,8 +23,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads 
 import torch
 import torch.nn.functional as F
 
-from bert_recipes.checkpoint import (export_model, load_checkpoint, rank_checksums, resolve_resume,
-                                     save_checkpoint)
+from bert_recipes.backend import (check_consistency, check_engaged, describe, fill_deepspeed_autos, rank_checksums,
+                                  read_launch_plan)
+from bert_recipes.checkpoint import export_model, load_checkpoint, resolve_resume, save_checkpoint
 from bert_recipes.config import Config, ConfigError, grad_accum_steps, flat_dict, load_config, to_yaml, validate
 from bert_recipes.data import ClassificationCollator, Indexed, MLMCollator, get_tokenizer, load_raw, tokenize
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
@@ -40,12 +41,12 @@ def build_accelerator(cfg: Config, output_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
-    if cfg.train.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU Accelerate would silently "
-                          "train in fp32. Use bf16 (supported on CPU) or no.")
-    # The launcher sets WORLD_SIZE before Python starts, so the accumulation is known up front.
+    # The launcher sets WORLD_SIZE before Python starts, so the accumulation is known up front,
+    # and recipe / accelerate YAML / DeepSpeed JSON are compared before any heavy work.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     accum = grad_accum_steps(cfg.train, world_size)
+    plan = read_launch_plan()
+    check_consistency(cfg, plan, world_size, accum, torch.cuda.is_available())
     handlers = []
     if world_size > 1 and not torch.cuda.is_available():
         # Without this, Accelerate leaves the backend unset for DeepSpeed on CPU and sees 1 process.
@@ -68,6 +69,8 @@ def build_accelerator(cfg: Config, output_dir: Path):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=handlers,
     )
+    check_engaged(accelerator, plan)
+    fill_deepspeed_autos(accelerator, cfg)
     if accelerator.num_processes != world_size:
         raise RuntimeError(f"the launcher started {world_size} processes but Accelerate sees "
                            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
@@ -121,7 +124,7 @@ def majority_baseline(train_labels, eval_labels) -> float:
 # ----------------------------------------------------------------------------- main
 def main(cfg: Config) -> dict:
     """Train as the recipe says; return the final metrics (also written to metrics.json)."""
-    from accelerate.utils import set_seed
+    from accelerate.utils import broadcast_object_list, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
@@ -164,14 +167,14 @@ def main(cfg: Config) -> dict:
     print0(f"[data] {len(data['train'])} train / {len(data['eval'])} eval sequences, max {cfg.data.max_seq_length} "
            f"tokens, vocab {len(tokenizer)}")
 
-    # -------------------------------------------------------------------- model, optimizer
+    # -------------------------------------------------------------------- model, optimizer, schedule
     model = build_model(cfg.model, cfg.task, tokenizer)
+    full_param_numel = count_parameters(model)
     optimizer = build_optimizer(model, cfg.optim)
-    print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
-
-    # -------------------------------------------------------------------- prepare
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    batches_per_epoch = len(train_loader)   # per rank, after sharding
+    print0(f"[model] {type(model).__name__}: {full_param_numel / 1e6:.2f}M parameters")
+    # drop_last shards: each rank gets len // world batches. The schedule wraps the torch optimizer
+    # itself, before prepare: ZeRO keeps that optimizer (and its param_groups) inside its own.
+    batches_per_epoch = len(train_loader) // accelerator.num_processes
     if batches_per_epoch == 0:
         raise ConfigError(f"{len(data['train'])} training sequences cannot fill one micro batch of "
                           f"{cfg.train.micro_batch_size} on each of {accelerator.num_processes} ranks")
@@ -181,14 +184,21 @@ def main(cfg: Config) -> dict:
         limits.append(math.ceil(cfg.train.epochs * steps_per_epoch))
     total_steps = min(limits)
     stop_at = min(total_steps, cfg.train.halt_at_step or total_steps)
-    scheduler = build_scheduler(getattr(optimizer, "optimizer", optimizer), cfg.optim, total_steps)
-    accelerator.register_for_checkpointing(scheduler)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch), peak lr {cfg.optim.lr}, "
            f"{cfg.optim.decay} decay")
 
+    # -------------------------------------------------------------------- prepare
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    accelerator.register_for_checkpointing(scheduler)
+    assert len(train_loader) == batches_per_epoch, (len(train_loader), batches_per_epoch)
+    backend = describe(accelerator, model, full_param_numel)
+    print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
+
     # -------------------------------------------------------------------- resume
     state = {"step": 0, "history": {"train": [], "eval": []}}
-    checkpoint = resolve_resume(cfg.checkpoint.resume, output_dir)
+    checkpoint = [resolve_resume(cfg.checkpoint.resume, output_dir) if accelerator.is_main_process else None]
+    checkpoint = broadcast_object_list(checkpoint)[0]   # rank 0 decides: ranks may see the disk at different times
     if checkpoint is not None:
         state = load_checkpoint(accelerator, checkpoint)
         print0(f"[resume] from {checkpoint} at step {state['step']}")
@@ -241,7 +251,8 @@ def main(cfg: Config) -> dict:
             step = state["step"]
             if step % cfg.logging.log_every == 0 or step == total_steps:
                 row = {"step": step, "epoch": round(step / steps_per_epoch, 3), **meter.read(accelerator),
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm)}
+                       "lr": scheduler.get_last_lr()[0],
+                       "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
                 state["history"]["train"].append(row)
                 accelerator.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
@@ -281,7 +292,7 @@ def main(cfg: Config) -> dict:
              "num_processes": accelerator.num_processes,
              "eval_dataset_size": len(data["eval"]),
              "rank_checksums": rank_checksums(accelerator, model),
-             "distributed_type": str(accelerator.distributed_type)}
+             "distributed_type": str(accelerator.distributed_type), "backend": backend}
     if baseline is not None:
         final["majority_baseline_accuracy"] = baseline
     if accelerator.is_main_process:

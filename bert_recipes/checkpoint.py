@@ -80,17 +80,6 @@ def full_state_dict(accelerator, model) -> dict:
     return accelerator.get_state_dict(model)
 
 
-def rank_checksums(accelerator, model) -> list[list[float]]:
-    """[sum, sum of |w|] in float64 of each rank's replica of the weights; equal rows mean
-    the replicas agree. Collective: every rank must call it."""
-    import torch
-    tensors = [t.detach() for t in accelerator.unwrap_model(model).state_dict().values()]
-    local = torch.tensor([[sum(float(t.double().sum()) for t in tensors),
-                           sum(float(t.double().abs().sum()) for t in tensors)]],
-                         dtype=torch.float64, device=accelerator.device)
-    return accelerator.gather(local).tolist()
-
-
 def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml: str) -> Path:
     """Hugging Face format (config.json + model.safetensors + tokenizer + recipe), loadable
     with plain from_pretrained."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -126,22 +127,50 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
     name = tok_cfg.name_or_path or model_name_or_path
     if name:
         return AutoTokenizer.from_pretrained(name)
-    if not (save_dir / "tokenizer.json").exists():
-        if is_main:
-            tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
-            tmp = save_dir.with_name(save_dir.name + ".tmp")
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, save_dir)
-        barrier()
+    # Only rank 0 looks at the disk and decides; the barrier is unconditional. (Letting each rank
+    # test "exists?" itself deadlocks when a slow rank sees the file rank 0 has just written and
+    # skips a barrier that rank 0 is waiting in.)
+    if is_main and not (save_dir / "tokenizer.json").exists():
+        tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
+        tmp = save_dir.with_name(save_dir.name + ".tmp")
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, save_dir)
+    barrier()
     return AutoTokenizer.from_pretrained(str(save_dir))
 
 
 # ---------------------------------------------------------------------------- tokenization
+TOKENIZE_VERSION = 1   # bump when encode/group below change: it is part of the cache fingerprint
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A content hash of a fast tokenizer that is the same in every process. (datasets' default
+    fingerprint pickles the tokenizer, whose vocabulary is a hash map serialized in random order,
+    so every process would compute a different fingerprint and re-tokenize.)"""
+    content = json.loads(tokenizer.backend_tokenizer.to_str())
+    extra = {k: str(getattr(tokenizer, k, None)) for k in ("model_max_length", "padding_side", "truncation_side")}
+    return hashlib.sha256(json.dumps([content, type(tokenizer).__name__, extra], sort_keys=True).encode()).hexdigest()
+
+
+def _map_splits(dataset_dict, fn, key: list, desc: str, num_proc, remove_columns):
+    """datasets.map on each split, with a fingerprint from (split data, key) alone, so the cache is
+    found by every rank and by the next run."""
+    from datasets import DatasetDict
+    out = {}
+    for split, ds in dataset_dict.items():
+        fingerprint = hashlib.sha256(json.dumps([ds._fingerprint, TOKENIZE_VERSION, *key], default=str)
+                                     .encode()).hexdigest()[:32]
+        out[split] = ds.map(fn, batched=True, num_proc=num_proc, remove_columns=remove_columns,
+                            new_fingerprint=fingerprint, desc=desc)
+    return DatasetDict(out)
+
+
 def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: list[str] | None = None):
     """-> DatasetDict of model inputs. Cached by datasets' fingerprint of (data, function, tokenizer)."""
     seq = data.max_seq_length
     text_cols = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
     columns = raw["train"].column_names
+    tok_fp = tokenizer_fingerprint(tokenizer)
 
     if task.kind == "mlm":
         def encode(batch):
@@ -150,8 +179,8 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: li
                 return tokenizer(lines, return_special_tokens_mask=True)
             return tokenizer(lines, truncation=True, max_length=seq, return_special_tokens_mask=True)
 
-        tokenized = raw.map(encode, batched=True, num_proc=data.num_proc, remove_columns=columns,
-                            desc="tokenizing")
+        key = ["mlm", tok_fp, seq, data.packing, data.text_column]
+        tokenized = _map_splits(raw, encode, key, "tokenizing", data.num_proc, columns)
         if data.packing:
             def group(batch):
                 # concatenate every sequence, then cut into full blocks of max_seq_length; the tail is dropped
@@ -159,7 +188,8 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: li
                 n = (len(joined["input_ids"]) // seq) * seq
                 return {k: [v[i:i + seq] for i in range(0, n, seq)] for k, v in joined.items()}
 
-            tokenized = tokenized.map(group, batched=True, num_proc=data.num_proc, desc=f"packing into {seq}-token blocks")
+            tokenized = _map_splits(tokenized, group, key + ["group"], f"packing into {seq}-token blocks",
+                                    data.num_proc, None)
         return tokenized
 
     regression = task.num_labels == 1
@@ -185,7 +215,8 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: li
         out["labels"] = [float(l) for l in labels] if regression else [int(l) for l in labels]
         return out
 
-    return raw.map(encode, batched=True, num_proc=data.num_proc, remove_columns=columns, desc="tokenizing")
+    key = ["classification", tok_fp, seq, text_cols, data.label_column, regression, mapping]
+    return _map_splits(raw, encode, key, "tokenizing", data.num_proc, columns)
 
 
 # ---------------------------------------------------------------------------- collators

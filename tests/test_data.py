@@ -68,18 +68,37 @@ def test_trained_wordpiece_tokenizer(tokenizer, tmp_path):
     assert reloaded("event loop")["input_ids"] == tokenizer("event loop")["input_ids"]
 
 
-def test_packing_gives_full_blocks_and_tokenization_is_cached(sample_dir, tokenizer, tmp_path):
-    cfg = Config()
-    cfg.data.sample_dir, cfg.data.cache_dir = str(sample_dir), str(tmp_path / "cache")
-    cfg.data.max_seq_length, cfg.data.max_train_samples = 64, 500
-    raw = load_raw(cfg.data, cfg.task, seed=0)
-    first = tokenize(raw, tokenizer, cfg.task, cfg.data)
-    assert {len(ids) for ids in first["train"]["input_ids"]} == {64}
-    files = [f["filename"] for f in first["train"].cache_files]
-    mtimes = {f: (tmp_path / f).stat().st_mtime_ns for f in files}
-    second = tokenize(load_raw(cfg.data, cfg.task, seed=0), tokenizer, cfg.task, cfg.data)
-    assert [f["filename"] for f in second["train"].cache_files] == files   # same fingerprint
-    assert {f: (tmp_path / f).stat().st_mtime_ns for f in files} == mtimes  # read, not rewritten
+TOKENIZE_SCRIPT = """
+import json, sys
+from transformers import AutoTokenizer
+from bert_recipes.config import Config
+from bert_recipes.data import load_raw, tokenize
+cfg = Config()
+cfg.data.sample_dir, cfg.data.cache_dir, cfg.data.max_seq_length, cfg.data.max_train_samples = sys.argv[1:5]
+cfg.data.max_seq_length, cfg.data.max_train_samples = int(cfg.data.max_seq_length), int(cfg.data.max_train_samples)
+data = tokenize(load_raw(cfg.data, cfg.task, seed=0), AutoTokenizer.from_pretrained(sys.argv[5]), cfg.task, cfg.data)
+print(json.dumps({"files": [f["filename"] for f in data["train"].cache_files],
+                  "lengths": sorted({len(x) for x in data["train"]["input_ids"]})}))
+"""
+
+
+def test_packing_gives_full_blocks_and_tokenization_is_cached_across_processes(sample_dir, tokenizer, tmp_path):
+    """A second process (another rank, or the next run) finds the first one's tokenized cache."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    tokenizer.save_pretrained(tmp_path / "tok")
+    args = [sys.executable, "-c", TOKENIZE_SCRIPT, str(sample_dir), str(tmp_path / "cache"), "64", "500",
+            str(tmp_path / "tok")]
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    first = json.loads(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
+    assert first["lengths"] == [64]
+    mtimes = {f: Path(f).stat().st_mtime_ns for f in first["files"]}
+    second = json.loads(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
+    assert second["files"] == first["files"]                               # same fingerprint
+    assert {f: Path(f).stat().st_mtime_ns for f in first["files"]} == mtimes  # read, not rewritten
 
 
 def test_line_by_line_pads_dynamically(sample_dir, tokenizer):
