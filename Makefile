@@ -54,7 +54,7 @@ NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2
 CPU_ENV   = $(if $(CPU),$(if $(filter deepspeed,$(call col,$@,5)),DS_ACCELERATOR=cpu,ACCELERATE_USE_CPU=1))
 
 .PHONY: $(MODES)
-ddp fsdp zero1 zero2 zero2-offload zero3 zero3-offload zero3-nvme: setup  ## e.g. make zero3 [CPU=1] [RECIPE=...] [NPROC=n]
+ddp fsdp zero1 zero2 zero2-offload zero3 zero3-offload zero3-nvme pipeline: setup  ## e.g. make zero3 [CPU=1] [RECIPE=...] [NPROC=n]
 	$(CPU_ENV) $(ACCEL) launch --config_file $(or $(CONFIG),$(if $(and $(CPU),$(filter ddp,$@)),accelerate_configs/cpu.yaml,$(call col,$@,2))) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 
 multinode: setup  ## on each node: make multinode MACHINE_RANK=<0|1> MAIN_IP=<main node ip>; CPU=1 runs 2 "nodes" on 127.0.0.1

@@ -12,6 +12,7 @@ Reads top to bottom: config -> accelerator -> data -> model -> optimizer -> prep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -78,6 +79,50 @@ def build_accelerator(cfg: Config, output_dir: Path):
     return accelerator, accum
 
 
+# ----------------------------------------------------------------------------- data
+@contextlib.contextmanager
+def main_first(is_main: bool, barrier):
+    """Rank 0 runs the block first (build, download, tokenize); the others then read its cache."""
+    if not is_main:
+        barrier()
+    yield
+    if is_main:
+        barrier()
+
+
+def prepare_data(cfg: Config, output_dir: Path, is_main: bool, barrier, fixed_length: int | None = None):
+    """raw text -> tokenizer (loaded, or trained once on rank 0) -> tokenized splits -> collator."""
+    with main_first(is_main, barrier):
+        raw = load_raw(cfg.data, cfg.task, cfg.run.seed)
+    tokenizer = get_tokenizer(cfg.tokenizer, cfg.model.name_or_path, raw["train"], cfg.data,
+                              output_dir / "tokenizer", is_main, barrier)
+    with main_first(is_main, barrier):
+        data = tokenize(raw, tokenizer, cfg.task, cfg.data, cfg.task.label_names)
+    if cfg.task.kind == "mlm":
+        collate = MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed, fixed_length=fixed_length)
+    else:
+        collate = ClassificationCollator(tokenizer, fixed_length=fixed_length)
+    return tokenizer, data, collate
+
+
+# ----------------------------------------------------------------------------- pipeline (fenced)
+def run_pipeline(cfg: Config, plan) -> dict:
+    """Pipeline parallelism goes around Accelerate (which has none for training): the DeepSpeed
+    pipeline engine runs the same recipe, data and outputs. See bert_recipes/pipeline.py."""
+    from bert_recipes.pipeline import train_pipeline
+    output_dir = Path(cfg.run.output_dir)
+    if cfg.model.gradient_checkpointing:
+        raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
+                          "pipeline.activation_checkpoint_interval instead")
+    return train_pipeline(
+        cfg, plan,
+        build_data=lambda is_main, barrier: prepare_data(cfg, output_dir, is_main, barrier,
+                                                         fixed_length=cfg.data.max_seq_length),
+        build_model_fn=lambda tokenizer: build_model(cfg.model, cfg.task, tokenizer),
+        build_optimizer_fn=lambda net: build_optimizer(net, cfg.optim),
+        build_scheduler_fn=lambda optimizer, total: build_scheduler(optimizer, cfg.optim, total))
+
+
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(accelerator, model, loader, cfg: Config) -> dict[str, float]:
@@ -133,6 +178,10 @@ def main(cfg: Config) -> dict:
     output_dir = Path(cfg.run.output_dir)
     config_yaml = to_yaml(cfg)
 
+    plan = read_launch_plan()
+    if plan.pipeline:
+        return run_pipeline(cfg, plan)
+
     # -------------------------------------------------------------------- accelerator
     accelerator, accum = build_accelerator(cfg, output_dir)
     print0 = accelerator.print
@@ -145,16 +194,7 @@ def main(cfg: Config) -> dict:
            f"micro {cfg.train.micro_batch_size} x accum {accum} x world {accelerator.num_processes}")
 
     # -------------------------------------------------------------------- data
-    with accelerator.main_process_first():   # rank 0 builds/downloads/tokenizes, the others read its cache
-        raw = load_raw(cfg.data, cfg.task, cfg.run.seed)
-    tokenizer = get_tokenizer(cfg.tokenizer, cfg.model.name_or_path, raw["train"], cfg.data,
-                              output_dir / "tokenizer", accelerator.is_main_process, accelerator.wait_for_everyone)
-    with accelerator.main_process_first():
-        data = tokenize(raw, tokenizer, cfg.task, cfg.data, cfg.task.label_names)
-    if cfg.task.kind == "mlm":
-        collate = MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed)
-    else:
-        collate = ClassificationCollator(tokenizer)
+    tokenizer, data, collate = prepare_data(cfg, output_dir, accelerator.is_main_process, accelerator.wait_for_everyone)
     # Own generators: otherwise each new iterator draws its worker seed from the global torch RNG,
     # which shifts the dropout stream of a resumed run away from the uninterrupted one.
     loader_kwargs = dict(collate_fn=collate, num_workers=cfg.data.num_workers,
@@ -216,7 +256,8 @@ def main(cfg: Config) -> dict:
         return metrics
 
     def checkpoint_now():
-        save_checkpoint(accelerator, output_dir, state["step"], state, config_yaml, cfg.checkpoint.keep_last)
+        save_checkpoint(output_dir, state["step"], state, config_yaml, cfg.checkpoint.keep_last,
+                        accelerator.save_state, accelerator.is_main_process, accelerator.wait_for_everyone)
 
     # -------------------------------------------------------------------- loop
     model.train()

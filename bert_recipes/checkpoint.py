@@ -44,20 +44,21 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, step: int, train_state: dict, config_yaml: str,
-                    keep_last: int) -> Path:
-    """accelerator.save_state (model, optimizer, registered scheduler, RNG of every rank) plus
-    the loop's own state and the resolved config; then atomically publish and prune."""
+def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config_yaml: str, keep_last: int,
+                    save_state, is_main: bool, barrier) -> Path:
+    """save_state(dir) on every rank (accelerator.save_state: model, optimizer, registered scheduler,
+    RNG of every rank; or the pipeline engine's save_checkpoint), plus the loop's own state and the
+    resolved config; then atomically publish and prune."""
     root = checkpoint_root(output_dir)
     final = root / f"step_{step:08d}"
     partial = root / f"step_{step:08d}.partial"
-    if accelerator.is_main_process:
+    if is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    barrier()
+    save_state(str(partial))
+    barrier()
+    if is_main:
         (partial / CONFIG_FILE).write_text(config_yaml)
         (partial / STATE_FILE).write_text(json.dumps(train_state))
         if final.exists():
@@ -65,7 +66,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, train_state:
         os.replace(partial, final)
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    barrier()
     return final
 
 
@@ -87,7 +88,12 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml
     state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        accelerator.unwrap_model(model).save_pretrained(
+        unwrapped = accelerator.unwrap_model(model)
+        tied = getattr(unwrapped, "_tied_weights_keys", None)
+        if isinstance(tied, dict) and getattr(unwrapped.config, "tie_word_embeddings", True):
+            for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
+                state_dict.pop(key, None)
+        unwrapped.save_pretrained(
             out, state_dict=state_dict, safe_serialization=True, save_function=accelerator.save)
         tokenizer.save_pretrained(out)
         (out / "recipe.yaml").write_text(config_yaml)

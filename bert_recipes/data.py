@@ -244,18 +244,20 @@ class MLMCollator:
     The masking of example i in epoch e depends only on (seed, e, i). Set `.epoch` before
     each epoch (with persistent DataLoader workers the workers keep their own copy)."""
 
-    def __init__(self, tokenizer, mlm_probability: float, seed: int, pad_to_multiple_of: int | None = 8):
+    def __init__(self, tokenizer, mlm_probability: float, seed: int, pad_to_multiple_of: int | None = 8,
+                 fixed_length: int | None = None):
         self.tokenizer = tokenizer
         self.mlm_probability = mlm_probability
         self.seed = seed
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.fixed_length = fixed_length
         self.epoch = 0
         self.vocab_size = len(tokenizer)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         idx = [e["idx"] for e in examples]
         features = [{k: v for k, v in e.items() if k != "idx"} for e in examples]
-        batch = self.tokenizer.pad(features, return_tensors="pt", pad_to_multiple_of=self.pad_to_multiple_of)
+        batch = _pad(self.tokenizer, features, self.pad_to_multiple_of, self.fixed_length)
         special = batch.pop("special_tokens_mask").bool() | (batch["attention_mask"] == 0)
         inputs = batch["input_ids"].clone()
         labels = batch["input_ids"].clone()
@@ -277,11 +279,19 @@ class MLMCollator:
 class ClassificationCollator:
     """Dynamic padding (to a multiple of 8 for tensor cores); labels pass through."""
 
-    def __init__(self, tokenizer, pad_to_multiple_of: int | None = 8):
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None = 8, fixed_length: int | None = None):
         self.tokenizer = tokenizer
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.fixed_length = fixed_length
         self.epoch = 0
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         features = [{k: v for k, v in e.items() if k != "idx"} for e in examples]
-        return self.tokenizer.pad(features, return_tensors="pt", pad_to_multiple_of=self.pad_to_multiple_of)
+        return _pad(self.tokenizer, features, self.pad_to_multiple_of, self.fixed_length)
+
+
+def _pad(tokenizer, features, pad_to_multiple_of, fixed_length):
+    """Dynamic padding, or every batch to `fixed_length` (the pipeline engine needs fixed shapes)."""
+    if fixed_length:
+        return tokenizer.pad(features, return_tensors="pt", padding="max_length", max_length=fixed_length)
+    return tokenizer.pad(features, return_tensors="pt", pad_to_multiple_of=pad_to_multiple_of)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 from transformers import BertForMaskedLM
 from transformers.modeling_outputs import MaskedLMOutput

@@ -83,21 +83,66 @@ def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:
         GradientState._reset_state()
 
 
+BACKENDS_TSV = REPO / "accelerate_configs" / "backends.tsv"
+
+
+def backend_rows() -> dict[str, dict]:
+    """The backend matrix: the same table the Makefile reads."""
+    rows = {}
+    for line in BACKENDS_TSV.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, config, ds_config, nprocs, kind = line.split("\t")
+            rows[name] = {"name": name, "config": config, "ds_config": ds_config, "nprocs": int(nprocs), "kind": kind}
+    return rows
+
+
+def _port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher: str = "accelerate",
-           timeout: int = 600, env: dict | None = None) -> dict:
-    """Run train.py as a real multi-process job on CPU; return its metrics.json (final, history, config)."""
+           timeout: int = 900, env: dict | None = None, backend: str = "ddp") -> dict:
+    """Run train.py as a real multi-process job on CPU, under a row of the backend matrix; return
+    its metrics.json (final, history, config). Each backend kind gets the CPU launch that really
+    engages it (see FEASIBILITY: the obvious ones silently fall back)."""
     out_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.output_dir=")))
     bin_dir = Path(sys.executable).parent
-    if launcher == "accelerate":
-        cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", str(REPO / "accelerate_configs/cpu.yaml"),
-               "--num_processes", str(nproc), "--main_process_port", str(29500 + os.getpid() % 1000)]
+    row = backend_rows()[backend]
+    script = REPO / ("tests/fsdp_cpu_harness.py" if row["kind"] == "fsdp" else "train.py")
+    args = [str(script)] + (["--recipe", recipe] if recipe else []) + [f"--{o}" for o in overrides]
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if row["kind"] == "deepspeed":
+        base_env.pop("ACCELERATE_USE_CPU", None)
+        base_env["DS_ACCELERATOR"] = "cpu"
     else:
-        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
-               str(29500 + os.getpid() % 1000)]
-    cmd += [str(REPO / "train.py")] + (["--recipe", recipe] if recipe else []) + [f"--{o}" for o in overrides]
-    full_env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-    log = proc.stdout + proc.stderr
+        base_env["ACCELERATE_USE_CPU"] = "1"
+    port = str(_port())
+    if launcher == "torchrun":
+        cmds = [[str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port] + args]
+    elif row["kind"] == "multinode":   # 2 "machines" x 1 process on 127.0.0.1
+        cmds = [[str(bin_dir / "accelerate"), "launch", "--config_file", str(REPO / row["config"]),
+                 "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                 "--main_process_ip", "127.0.0.1", "--main_process_port", port] + args for rank in (0, 1)]
+    else:
+        config = REPO / ("accelerate_configs/cpu.yaml" if row["kind"] == "ddp" else row["config"])
+        cmds = [[str(bin_dir / "accelerate"), "launch", "--config_file", str(config), "--num_processes", str(nproc),
+                 "--main_process_port", port] + args]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in cmds]
+    logs, codes = [], []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        logs.append(out)
+        codes.append(proc.returncode)
+    log = "\n".join(logs)
     (out_dir.parent / f"{out_dir.name}.log").write_text(log)
-    assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{log[-6000:]}"
+    assert codes == [0] * len(procs), f"launch failed ({codes}):\n{log[-8000:]}"
     return json.loads((out_dir / "metrics.json").read_text())

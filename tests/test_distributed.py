@@ -26,7 +26,7 @@ def test_ddp_two_processes_match_one_process_with_accumulation(tmp_path, sample_
     assert ddp["eval_samples"] == ddp["eval_dataset_size"]   # uneven last batch: no sample counted twice
     assert ddp["last_train_loss"] < ddp["first_train_loss"] - 0.5
 
-    single = run_in_process(tiny_args(tmp_path / "single", sample_dir, datasets_cache, **common))
+    run_in_process(tiny_args(tmp_path / "single", sample_dir, datasets_cache, **common))
     h_ddp = json.loads((tmp_path / "ddp/metrics.json").read_text())["history"]
     h_one = json.loads((tmp_path / "single/metrics.json").read_text())["history"]
     for a, b in zip(h_ddp["train"], h_one["train"]):

@@ -1,0 +1,201 @@
+"""The backend matrix on CPU, one row of accelerate_configs/backends.tsv per test, each with real
+processes: the backend really engages, the loss goes down, the ranks agree on the full weights, and
+the run matches DDP on the same seed and data (dropout off)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import backend_rows, launch, tiny_args
+
+ROWS = backend_rows()
+NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
+STEPS = 16
+# Tolerance against DDP. fp32 everywhere; the backends reduce gradients in other orders and
+# buckets, and ZeRO applies the AdamW step to flat fp32 partitions: ~1e-6 relative per step,
+# amplified a little by 16 steps of Adam. Measured gaps are printed in the assertion messages.
+LOSS_TOL = 2e-3
+WEIGHT_TOL = 2e-3
+
+
+def common(shared_tokenizer, **extra):
+    return {**NO_DROPOUT, "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": STEPS,
+            "train.eval_every": 8, "checkpoint.save_every": 8, **extra}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("backends")
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(runs, sample_dir, datasets_cache, shared_tokenizer):
+    out = runs / "ddp"
+    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="ddp")
+    return out, metrics
+
+
+def history(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())["history"]
+
+
+def assert_matches_ddp(out: Path, reference: Path):
+    ours, ref = history(out), history(reference)
+    assert [r["step"] for r in ours["train"]] == [r["step"] for r in ref["train"]]
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(ours["train"], ref["train"])]
+    assert max(gaps) < LOSS_TOL, f"train loss vs DDP, gaps {gaps}"
+    eval_gaps = [abs(a["eval_loss"] - b["eval_loss"]) for a, b in zip(ours["eval"], ref["eval"])]
+    assert max(eval_gaps) < LOSS_TOL, f"eval loss vs DDP, gaps {eval_gaps}"
+    wa, wb = load_file(out / "model/model.safetensors"), load_file(reference / "model/model.safetensors")
+    assert wa.keys() == wb.keys()
+    worst = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+    assert worst < WEIGHT_TOL, f"exported weights vs DDP: max abs diff {worst}"
+
+
+def assert_healthy(metrics: dict, distributed_type: str):
+    final = metrics["final"]
+    assert final["num_processes"] == 2, final
+    assert final["backend"]["distributed_type"] == distributed_type, final["backend"]
+    losses = [r["loss"] for r in metrics["history"]["train"]]
+    assert all(l == l and abs(l) != float("inf") for l in losses) and losses[-1] < losses[0] - 0.3, losses
+    checksums = final["rank_checksums"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1], checksums
+    assert final["eval_samples"] == final["eval_dataset_size"]
+
+
+def test_ddp_reference_is_healthy(ddp_reference):
+    out, metrics = ddp_reference
+    assert_healthy(metrics, "DistributedType.MULTI_CPU")
+    assert metrics["final"]["backend"]["params_sharded"] is False
+
+
+@pytest.mark.parametrize("name, stage, sharded, offload", [
+    ("zero1", 1, False, False),
+    ("zero2", 2, False, False),
+    ("zero2-offload", 2, False, True),
+    ("zero3", 3, True, False),
+    ("zero3-offload", 3, True, True),
+])
+def test_deepspeed_rows(name, stage, sharded, offload, runs, ddp_reference, sample_dir, datasets_cache,
+                        shared_tokenizer):
+    out = runs / name
+    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend=name)
+    assert_healthy(metrics, "DistributedType.DEEPSPEED")
+    backend = metrics["final"]["backend"]
+    assert backend["zero_stage"] == stage and backend["params_sharded"] is sharded, backend
+    assert backend["offload_optimizer"] is offload, backend
+    if sharded:   # each rank holds about half of the parameter elements
+        assert backend["local_param_numel"] <= 0.6 * backend["full_param_numel"], backend
+    assert_matches_ddp(out, ddp_reference[0])
+
+
+def test_fsdp_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
+    out = runs / "fsdp"
+    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="fsdp")
+    assert_healthy(metrics, "DistributedType.FSDP")
+    backend = metrics["final"]["backend"]
+    assert backend["params_sharded"] and backend["local_param_numel"] <= 0.6 * backend["full_param_numel"], backend
+    assert_matches_ddp(out, ddp_reference[0])
+
+
+def test_multinode_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
+    """2 "machines" x 1 process on 127.0.0.1, machine_rank 0 and 1."""
+    out = runs / "multinode"
+    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="multinode")
+    assert_healthy(metrics, "DistributedType.MULTI_CPU")
+    assert_matches_ddp(out, ddp_reference[0])
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_sharded_resume_equals_uninterrupted(name, runs, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """Halt at step 8 (after its checkpoint), resume from the sharded checkpoint, finish at 16:
+    the weights equal the uninterrupted run of the same row (tolerance 1e-6)."""
+    full = runs / name
+    if not (full / "model/model.safetensors").exists():
+        pytest.skip(f"needs the {name} row to have run")
+    args = tiny_args(tmp_path / "split", sample_dir, datasets_cache, **common(shared_tokenizer))
+    halted = launch(2, args + ["train.halt_at_step=8"], backend=name)
+    assert halted["final"] == {"steps": 8, "halted": True}
+    resumed = launch(2, args + ["checkpoint.resume=auto"], backend=name)
+    assert "[resume] from" in (tmp_path / "split.log").read_text()
+    assert resumed["final"]["steps"] == STEPS
+    wa, wb = load_file(full / "model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_sharded_export_fine_tunes_under_ddp(name, runs, ddp_reference, tmp_path, sample_dir, datasets_cache):
+    """The export holds full weights: plain from_pretrained loads it, and a DDP run fine-tunes it."""
+    from transformers import AutoModelForMaskedLM
+    export = runs / name / "model"
+    if not (export / "model.safetensors").exists():
+        pytest.skip(f"needs the {name} row to have run")
+    model = AutoModelForMaskedLM.from_pretrained(export)
+    reference = AutoModelForMaskedLM.from_pretrained(runs / "ddp/model")
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    for k, v in model.state_dict().items():   # full tensors, not shards
+        assert v.shape == reference.state_dict()[k].shape, k
+    metrics = launch(2, tiny_args(tmp_path / "cls", sample_dir, datasets_cache, task="classification",
+                                  **{"model.name_or_path": export, "train.max_steps": 8}), backend="ddp")
+    assert metrics["final"]["num_processes"] == 2
+    assert metrics["final"]["last_train_loss"] < metrics["final"]["first_train_loss"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2"])
+def test_gradient_accumulation_equivalence(name, tmp_path, runs, ddp_reference, sample_dir, datasets_cache):
+    """micro 2 x accumulate 4 == micro 8 x accumulate 1 (x 2 ranks). Classification: every sample
+    weighs the same in the loss, so the two are the same maths; tolerance 1e-4 on losses."""
+    export = runs / "ddp/model"
+    results = {}
+    for micro in (8, 2):
+        out = tmp_path / f"micro{micro}"
+        results[micro] = launch(2, tiny_args(out, sample_dir, datasets_cache, task="classification", **{
+            **NO_DROPOUT, "model.name_or_path": export, "train.max_steps": 8, "train.global_batch_size": 16,
+            "train.micro_batch_size": micro, "train.eval_every": 4}), backend=name)
+    a, b = results[8]["history"], results[2]["history"]
+    for ra, rb in zip(a["train"], b["train"]):
+        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-4), (ra, rb)
+    for ra, rb in zip(a["eval"], b["eval"]):
+        assert ra["accuracy"] == rb["accuracy"]
+    assert results[2]["final"]["eval_samples"] == results[8]["final"]["eval_samples"]
+
+
+def test_pipeline_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
+    """2 stages x 1 replica. Each rank owns one stage's layers only; the word embeddings and the
+    MLM decoder stay one tied weight across the two stages; same batches as DDP, so same losses."""
+    out = runs / "pipeline"
+    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="pipeline")
+    final = metrics["final"]
+    backend = final["backend"]
+    assert final["num_processes"] == 2 and backend["pipeline_stages"] == 2 and backend["data_parallel_size"] == 1
+    assert sorted(r["stage_id"] for r in backend["ranks"]) == [0, 1]
+    assert all(r["local_param_numel"] < backend["full_param_numel"] for r in backend["ranks"]), backend
+    losses = [r["loss"] for r in metrics["history"]["train"]]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert final["eval_samples"] == final["eval_dataset_size"]
+    assert_matches_ddp(out, ddp_reference[0])
+    from transformers import AutoModelForMaskedLM
+    model = AutoModelForMaskedLM.from_pretrained(out / "model")   # tied again in the export
+    assert torch.equal(model.cls.predictions.decoder.weight, model.bert.embeddings.word_embeddings.weight)
+
+
+def test_pipeline_classification_and_data_parallel(runs, ddp_reference, tmp_path, sample_dir, datasets_cache):
+    """Classification through the pipeline, 2 stages x 2 data-parallel replicas = 4 processes,
+    starting from the DDP export; its export then fine-tunes under DDP."""
+    export = runs / "ddp/model"
+    metrics = launch(4, tiny_args(tmp_path / "pipe_cls", sample_dir, datasets_cache, task="classification", **{
+        "model.name_or_path": export, "train.max_steps": 8, "train.global_batch_size": 16,
+        "train.micro_batch_size": 4}), backend="pipeline")
+    backend = metrics["final"]["backend"]
+    assert backend["pipeline_stages"] == 2 and backend["data_parallel_size"] == 2
+    assert sorted(r["stage_id"] for r in backend["ranks"]) == [0, 0, 1, 1]
+    assert metrics["final"]["eval_samples"] == metrics["final"]["eval_dataset_size"]
+    assert metrics["final"]["last_train_loss"] < metrics["final"]["first_train_loss"]
+    again = launch(2, tiny_args(tmp_path / "ddp_cls", sample_dir, datasets_cache, task="classification", **{
+        "model.name_or_path": tmp_path / "pipe_cls/model", "train.max_steps": 4}), backend="ddp")
+    assert again["final"]["num_processes"] == 2
