@@ -374,3 +374,6 @@ if __name__ == "__main__":
         main(cfg)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    finally:   # a clean teardown: gloo aborts the process ("terminate called...") if left to exit hooks
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

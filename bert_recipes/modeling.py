@@ -12,26 +12,43 @@ from transformers.modeling_outputs import MaskedLMOutput
 from .config import ModelConfig, TaskConfig
 
 
-class BertForMaskedLMSparse(BertForMaskedLM):
-    """BertForMaskedLM that runs the prediction head on the masked positions only.
+class RecipeBertForMaskedLM(BertForMaskedLM):
+    """BertForMaskedLM with two changes that leave the maths and the exported weights alone:
 
-    The head (transform + vocab projection) is the largest matmul of a small BERT and 85% of
-    its rows are thrown away by the loss; gathering the ~15% selected positions first gives the
-    same loss and gradients at a fraction of the cost (as in NVIDIA's and cramming's BERT).
-    With labels, `logits` holds one row per selected token, in row-major order of the labels.
-    The weights and the export are those of a plain BertForMaskedLM."""
+    - The decoder bias is registered once. Hugging Face registers the same Parameter twice
+      (`cls.predictions.bias` and `cls.predictions.decoder.bias`), which FSDP2 rejects when the
+      two names land in different shard groups. Here the decoder is bias-free and the head adds
+      `cls.predictions.bias`; an export loads into a plain BertForMaskedLM, which re-ties them.
+    - `sparse_head` (model.sparse_mlm_head): with labels, the prediction head runs on the masked
+      positions only. The head (transform + vocab projection) is the largest matmul of a small
+      BERT and ~85% of its rows are discarded by the loss; gathering the selected positions first
+      gives the same loss and gradients at a fraction of the cost (as in NVIDIA's and cramming's
+      BERT). Then `logits` holds one row per selected token, in row-major order of the labels.
+    """
+    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+    sparse_head = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.cls.predictions.decoder.bias = None
+
+    def head(self, hidden):
+        predictions = self.cls.predictions
+        return predictions.decoder(predictions.transform(hidden)) + predictions.bias
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs):
-        if labels is None:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                   position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
         hidden = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True,
                            **kwargs).last_hidden_state
-        selected = labels != -100
-        logits = self.cls(hidden[selected])
-        loss = F.cross_entropy(logits.float(), labels[selected])
+        if labels is None:
+            return MaskedLMOutput(logits=self.head(hidden))
+        if self.sparse_head:
+            selected = labels != -100
+            logits = self.head(hidden[selected])
+            return MaskedLMOutput(loss=F.cross_entropy(logits.float(), labels[selected]), logits=logits)
+        logits = self.head(hidden)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
         return MaskedLMOutput(loss=loss, logits=logits)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -41,10 +58,6 @@ class BertForMaskedLMSparse(BertForMaskedLM):
             config = json.loads(config_file.read_text())
             config["architectures"] = ["BertForMaskedLM"]
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def mlm_class(model_cfg: ModelConfig):
-    return BertForMaskedLMSparse if model_cfg.sparse_mlm_head else BertForMaskedLM
 
 
 def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer):
@@ -67,7 +80,7 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer):
         if task.kind == "mlm" and config.model_type != "bert":
             raise ValueError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model; "
                              "mlm pretraining here builds BERT (model_type bert)")
-        auto = mlm_class(model_cfg) if task.kind == "mlm" else AutoModelForSequenceClassification
+        auto = RecipeBertForMaskedLM if task.kind == "mlm" else AutoModelForSequenceClassification
         model = auto.from_pretrained(model_cfg.name_or_path, config=config,
                                      attn_implementation=model_cfg.attn_implementation)
         if len(tokenizer) > model.config.vocab_size:
@@ -81,7 +94,9 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer):
             max_position_embeddings=model_cfg.max_position_embeddings,
             pad_token_id=tokenizer.pad_token_id, **overrides, **labels)
         config._attn_implementation = model_cfg.attn_implementation
-        model = (mlm_class(model_cfg) if task.kind == "mlm" else BertForSequenceClassification)(config)
+        model = (RecipeBertForMaskedLM if task.kind == "mlm" else BertForSequenceClassification)(config)
+    if task.kind == "mlm":
+        model.sparse_head = model_cfg.sparse_mlm_head
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -26,6 +26,7 @@ def _init_with_fsdp_on_cpu(self, *args, **kwargs):
     if state.__dict__.get("fsdp_plugin") is None:
         state.fsdp_plugin = FullyShardedDataParallelPlugin()   # reads the FSDP_* variables `accelerate launch` set
     state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP   # both singletons answer distributed_type
     if self.mixed_precision != "no":
         state.fsdp_plugin.set_mixed_precision(self.mixed_precision)
     # MULTI_CPU picks device cpu:0, which FSDP1 rejects ("Inconsistent compute device and device_id")

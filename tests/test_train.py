@@ -153,19 +153,31 @@ def test_fp16_on_cpu_is_refused_clearly(tmp_path, sample_dir, datasets_cache):
         run_in_process(tiny_args(tmp_path / "fp16", sample_dir, datasets_cache, **{"train.mixed_precision": "fp16"}))
 
 
-def test_sparse_head_gives_the_dense_loss():
+def test_mlm_head_matches_hugging_face_dense_and_sparse():
+    """Our BertForMaskedLM (bias registered once; optional sparse head) gives Hugging Face's loss
+    and gradients, and its export loads back into a plain BertForMaskedLM."""
     from transformers import BertConfig, BertForMaskedLM
-    from bert_recipes.modeling import BertForMaskedLMSparse
+    from bert_recipes.modeling import RecipeBertForMaskedLM
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    dense = BertForMaskedLM(config)
-    sparse = BertForMaskedLMSparse(config)
-    sparse.load_state_dict(dense.state_dict())
+    reference = BertForMaskedLM(config)
+    with torch.no_grad():
+        reference.cls.predictions.bias.normal_()
     ids = torch.randint(5, 100, (4, 16))
     labels = torch.where(torch.rand(4, 16) < 0.2, ids, torch.full_like(ids, -100))
-    ld, ls = dense(input_ids=ids, labels=labels).loss, sparse(input_ids=ids, labels=labels).loss
-    torch.testing.assert_close(ls, ld)
-    ld.backward(), ls.backward()
-    for (name, pd), ps in zip(dense.named_parameters(), sparse.parameters()):
-        torch.testing.assert_close(ps.grad, pd.grad, atol=1e-6, rtol=1e-4, msg=name)
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    for sparse in (True, False):
+        ours = RecipeBertForMaskedLM(config)
+        ours.sparse_head = sparse
+        missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
+        assert not missing and set(unexpected) <= {"cls.predictions.decoder.bias"}
+        loss = ours(input_ids=ids, labels=labels).loss
+        torch.testing.assert_close(loss, ref_loss)
+        loss.backward()
+        for name, p in ours.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert [n for n, _ in ours.named_parameters()].count("cls.predictions.bias") == 1
+    assert ours.cls.predictions.decoder.bias is None
