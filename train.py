@@ -73,7 +73,7 @@ def build_accelerator(cfg: Config, output_dir: Path):
     check_engaged(accelerator, plan)
     fill_deepspeed_autos(accelerator, cfg)
     if accelerator.num_processes != world_size:
-        raise RuntimeError(f"the launcher started {world_size} processes but Accelerate sees "
+        raise ConfigError(f"the launcher started {world_size} processes but Accelerate sees "
                            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
                            "see README 'Launching on CPU' for launch commands that really distribute")
     return accelerator, accum

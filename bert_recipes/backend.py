@@ -145,11 +145,11 @@ def check_engaged(accelerator, plan: LaunchPlan) -> None:
     from accelerate.utils import DistributedType
     got = accelerator.distributed_type
     if plan.deepspeed and got != DistributedType.DEEPSPEED:
-        raise RuntimeError(f"the accelerate config asks for DeepSpeed but Accelerate runs {got} "
+        raise ConfigError(f"the accelerate config asks for DeepSpeed but Accelerate runs {got} "
                            "(ACCELERATE_USE_CPU=1 turns a DeepSpeed config into plain DDP: on CPU set "
                            "DS_ACCELERATOR=cpu instead)")
     if plan.fsdp and got != DistributedType.FSDP:
-        raise RuntimeError(f"the accelerate config asks for FSDP but Accelerate runs {got}: Accelerate enables "
+        raise ConfigError(f"the accelerate config asks for FSDP but Accelerate runs {got}: Accelerate enables "
                            "FSDP only on GPUs, so this run would be DDP under the name FSDP. Refusing. "
                            "Use a GPU machine, or a DDP/DeepSpeed config on CPU")
 

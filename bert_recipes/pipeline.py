@@ -8,11 +8,13 @@ backend; only the engine differs.
 BERT is cut into a flat list of layers, each taking and returning (hidden, attention_mask); the
 mask travels as an integer tensor, so the pipeline sends no gradient for it:
 
-  mlm:            [embeddings*] + encoder layers + [head transform] + [decoder*] + [decoder bias]
+  mlm:            [word embeddings*] + [positions, types, LayerNorm] + encoder layers
+                  + [head transform] + [decoder*] + [decoder bias]
   classification: [embeddings]  + encoder layers + [pooler + classifier]
 
-(*) one TiedLayerSpec: the word embeddings and the MLM decoder are the same weight even when they
-sit on different stages; DeepSpeed all-reduces its gradient between the owning stages.
+(*) one TiedLayerSpec holding only the word-embedding matrix: the lookup and the MLM decoder are
+the same weight even when they sit on different stages; DeepSpeed all-reduces its gradient
+between the owning stages.
 Micro-batches per optimizer step = gradient accumulation = global / (micro x data-parallel size).
 """
 from __future__ import annotations
@@ -32,22 +34,41 @@ TIED_KEY = "embeddings"
 
 
 # ---------------------------------------------------------------------------- layers
-class EmbeddingPipe(nn.Module):
-    """input_ids, attention_mask, token_type_ids -> (hidden, attention_mask)."""
+class WordEmbeddingPipe(nn.Module):
+    """The tied module: the word-embedding matrix alone. As the first layer it looks tokens up;
+    as the last-but-one it is the MLM decoder (see `decode`)."""
 
-    def __init__(self, embeddings: nn.Module):
+    def __init__(self, word_embeddings: nn.Embedding):
         super().__init__()
-        self.embeddings = embeddings
+        self.word_embeddings = word_embeddings
 
     def forward(self, inputs):
         input_ids, attention_mask, token_type_ids = inputs
-        return self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids), attention_mask
+        return self.word_embeddings(input_ids), attention_mask, token_type_ids
 
 
-def decode(tied: EmbeddingPipe, inputs):
+def decode(tied: WordEmbeddingPipe, inputs):
     """The MLM decoder: hidden @ word_embeddings^T, sharing the tied weight."""
     hidden, _ = inputs
-    return hidden @ tied.embeddings.word_embeddings.weight.t()
+    return hidden @ tied.word_embeddings.weight.t()
+
+
+class EmbeddingPipe(nn.Module):
+    """(word vectors | input_ids, attention_mask, token_type_ids) -> (hidden, attention_mask):
+    position and token-type embeddings, LayerNorm, dropout."""
+
+    def __init__(self, embeddings: nn.Module, words_given: bool):
+        super().__init__()
+        self.embeddings = embeddings
+        self.words_given = words_given
+        if words_given:   # the words live in the tied module; do not keep a second copy here
+            embeddings.word_embeddings = None
+
+    def forward(self, inputs):
+        first, attention_mask, token_type_ids = inputs
+        if self.words_given:
+            return self.embeddings(inputs_embeds=first, token_type_ids=token_type_ids), attention_mask
+        return self.embeddings(input_ids=first, token_type_ids=token_type_ids), attention_mask
 
 
 class EncoderLayerPipe(nn.Module):
@@ -108,20 +129,22 @@ def layer_specs(model, task: str):
     names = {}
     if task == "mlm":
         head = model.cls.predictions
-        embed = EmbeddingPipe(bert.embeddings)
-        specs = [TiedLayerSpec(TIED_KEY, _Existing, embed, tied_weight_attr=["embeddings.word_embeddings.weight"])]
-        names[f"tied_modules.{TIED_KEY}.embeddings."] = "bert.embeddings."
+        words = WordEmbeddingPipe(bert.embeddings.word_embeddings)
+        specs = [TiedLayerSpec(TIED_KEY, _Existing, words, tied_weight_attr=["word_embeddings.weight"]),
+                 LayerSpec(_Existing, EmbeddingPipe(bert.embeddings, words_given=True))]
+        names[f"tied_modules.{TIED_KEY}.word_embeddings."] = "bert.embeddings.word_embeddings."
+        names["1.embeddings."] = "bert.embeddings."
         for i, layer in enumerate(layers):
             specs.append(LayerSpec(_Existing, EncoderLayerPipe(layer)))
             names[f"{len(specs) - 1}.layer."] = f"bert.encoder.layer.{i}."
         specs.append(LayerSpec(_Existing, TransformPipe(head.transform)))
         names[f"{len(specs) - 1}.transform."] = "cls.predictions.transform."
-        specs.append(TiedLayerSpec(TIED_KEY, _Existing, embed, forward_fn=decode,
-                                   tied_weight_attr=["embeddings.word_embeddings.weight"]))
+        specs.append(TiedLayerSpec(TIED_KEY, _Existing, words, forward_fn=decode,
+                                   tied_weight_attr=["word_embeddings.weight"]))
         specs.append(LayerSpec(_Existing, BiasPipe(head.bias)))
         names[f"{len(specs) - 1}.bias"] = "cls.predictions.bias"
     else:
-        specs = [LayerSpec(_Existing, EmbeddingPipe(bert.embeddings))]
+        specs = [LayerSpec(_Existing, EmbeddingPipe(bert.embeddings, words_given=False))]
         names["0.embeddings."] = "bert.embeddings."
         for i, layer in enumerate(layers):
             specs.append(LayerSpec(_Existing, EncoderLayerPipe(layer)))

@@ -110,7 +110,7 @@ def test_multinode_row(runs, ddp_reference, sample_dir, datasets_cache, shared_t
     assert_matches_ddp(out, ddp_reference[0])
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+@pytest.mark.parametrize("name", ["zero3", "fsdp", "pipeline"])
 def test_sharded_resume_equals_uninterrupted(name, runs, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """Halt at step 8 (after its checkpoint), resume from the sharded checkpoint, finish at 16:
     the weights equal the uninterrupted run of the same row (tolerance 1e-6)."""

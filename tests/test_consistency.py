@@ -1,0 +1,106 @@
+"""Recipe vs accelerate YAML vs DeepSpeed JSON: every conflict named, with both values, before any
+heavy work; impossible combinations refused with a reason."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bert_recipes.backend import check_consistency, read_launch_plan
+from bert_recipes.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def plan_for(tmp_path, ds: dict | None = None, **env):
+    full_env = {}
+    if ds is not None:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(ds))
+        full_env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(path))
+    full_env.update(env)
+    return read_launch_plan(full_env)
+
+
+def cfg(**overrides):
+    return load_config(REPO / "recipes/tiny-mlm.yaml", [f"{k}={v}" for k, v in overrides.items()])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "ds_configs").glob("*.json")))
+def test_shipped_configs_agree_with_every_shipped_recipe(name, tmp_path):
+    ds = json.loads((REPO / "ds_configs" / name).read_text())
+    if name == "zero3_nvme.json":   # its path is a placeholder the user sets
+        for kind in ("offload_optimizer", "offload_param"):
+            ds["zero_optimization"][kind]["nvme_path"] = str(tmp_path)
+    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
+        c = load_config(recipe)
+        if c.train.mixed_precision == "fp16":
+            continue
+        check_consistency(c, plan_for(tmp_path, ds), world_size=1,
+                          accum=c.train.global_batch_size // c.train.micro_batch_size, has_cuda=False)
+
+
+def test_every_conflict_is_named_with_both_values(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 3, "train_batch_size": 128,
+          "gradient_clipping": 0.5, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+          "zero_optimization": {"stage": 2}}
+    plan = plan_for(tmp_path, ds, ACCELERATE_MIXED_PRECISION="fp16", ACCELERATE_GRADIENT_CLIPPING="2.0")
+    with pytest.raises(ConfigError) as err:
+        check_consistency(cfg(), plan, world_size=2, accum=1, has_cuda=True)
+    message = str(err.value)
+    for expected in ["recipe train.mixed_precision=no, accelerate config mixed_precision=fp16",
+                     "bf16.enabled=True",
+                     "recipe train.micro_batch_size=32", "train_micro_batch_size_per_gpu=16",
+                     "recipe train.global_batch_size=64", "train_batch_size=128",
+                     "the recipe gives 1", "gradient_accumulation_steps=3",
+                     "recipe optim.max_grad_norm=1.0", "gradient_clipping=0.5", "gradient_clipping=2.0",
+                     "optimizer owned twice"]:
+        assert expected in message, f"missing {expected!r} in:\n{message}"
+    assert message.count("\n  - ") == 8
+
+
+@pytest.mark.parametrize("ds, env, overrides, reason", [
+    ({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}, {}, {}, "pipeline parallelism with ZeRO-3"),
+    ({"zero_optimization": {"stage": 2}}, {"ACCELERATE_USE_FSDP": "true"}, {}, "FSDP and DeepSpeed are both enabled"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, {}, {}, "offload_param to nvme needs nvme_path"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/no/such/dir"}}}, {}, {},
+     "nvme_path=/no/such/dir .* is not a writable directory"),
+    (None, {}, {"train.mixed_precision": "fp16"}, "fp16 needs a CUDA GPU"),
+])
+def test_impossible_combinations_are_refused(tmp_path, ds, env, overrides, reason):
+    with pytest.raises(ConfigError, match=reason):
+        check_consistency(cfg(**overrides), plan_for(tmp_path, ds, **env), world_size=2, accum=1, has_cuda=False)
+
+
+def test_auto_and_matching_values_pass(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": "auto", "train_batch_size": 64,
+          "gradient_clipping": 1.0, "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}
+    check_consistency(cfg(), plan_for(tmp_path, ds, ACCELERATE_MIXED_PRECISION="no"), world_size=2, accum=1,
+                      has_cuda=False)
+
+
+def test_train_py_stops_before_heavy_work(tmp_path):
+    """A conflicting launch fails within seconds, with the message and no traceback."""
+    ds = tmp_path / "bad.json"
+    ds.write_text(json.dumps({"gradient_clipping": 0.3, "zero_optimization": {"stage": 2}}))
+    env = {**os.environ, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds)}
+    out = subprocess.run([sys.executable, "train.py", "--recipe", "recipes/tiny-mlm.yaml",
+                          f"--run.output_dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "clipping: recipe optim.max_grad_norm=1.0" in out.stderr and "gradient_clipping=0.3" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_on_cpu_is_refused_not_run_as_ddp(tmp_path):
+    """Without the test harness, Accelerate runs an FSDP config on CPU as plain DDP: refused."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(REPO / "accelerate_configs/fsdp.yaml"), "--num_processes", "2", "train.py",
+           "--recipe", "recipes/tiny-mlm.yaml", f"--run.output_dir={tmp_path / 'run'}"]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "asks for FSDP but Accelerate runs DistributedType.MULTI_CPU" in out.stdout + out.stderr
