@@ -16,7 +16,7 @@ export HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 
-.PHONY: help setup demo test print-config clean
+.PHONY: help setup demo test gpu-check print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -67,6 +67,9 @@ else
 	$(ACCEL) launch --config_file $(or $(CONFIG),accelerate_configs/multinode.yaml) --machine_rank $(MACHINE_RANK) \
 		$(if $(MAIN_IP),--main_process_ip $(MAIN_IP)) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 endif
+
+gpu-check: setup  ## every backend row for a few steps on the GPUs present: steps/s, peak memory, loss (ARGS="--rows ddp,zero2")
+	$(PY) tools/gpu_check.py $(ARGS)
 
 print-config: setup  ## show the resolved config of RECIPE (with ARGS overrides)
 	$(PY) train.py --recipe $(RECIPE) --print-config $(ARGS)

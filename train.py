@@ -160,6 +160,14 @@ def evaluate(accelerator, model, loader, cfg: Config) -> dict[str, float]:
     return {**out, "eval_samples": len(refs)}
 
 
+def peak_memory_gb(accelerator) -> list[float] | None:
+    """torch.cuda.max_memory_allocated of every rank, in GB (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    local = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=accelerator.device)
+    return accelerator.gather(local).tolist()
+
+
 def majority_baseline(train_labels, eval_labels) -> float:
     """Accuracy of always predicting the training set's most frequent label."""
     values, counts = torch.unique(torch.as_tensor(train_labels), return_counts=True)
@@ -332,6 +340,7 @@ def main(cfg: Config) -> dict:
              "wall_time_s": time.perf_counter() - t_start,
              "num_processes": accelerator.num_processes,
              "eval_dataset_size": len(data["eval"]),
+             "peak_memory_gb_per_rank": peak_memory_gb(accelerator),
              "rank_checksums": rank_checksums(accelerator, model),
              "distributed_type": str(accelerator.distributed_type), "backend": backend}
     if baseline is not None:

@@ -205,6 +205,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and ("no" if value is False else "yes") in choices:
+            value = "no" if value is False else "yes"   # YAML 1.1 reads a bare `no` as false
         if value not in choices:
             raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
         return value

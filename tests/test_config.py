@@ -48,6 +48,11 @@ def test_recipe_then_override_precedence(tmp_path):
     assert cfg.model.name_or_path is None
 
 
+def test_yaml_no_is_the_string_no(tmp_path):
+    assert load_config(write(tmp_path, "train:\n  mixed_precision: no\n")).train.mixed_precision == "no"
+    assert load_config(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+
+
 def test_int_is_accepted_for_float(tmp_path):
     cfg = load_config(write(tmp_path, "optim:\n  lr: 1\n"))
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)

@@ -1,0 +1,137 @@
+"""Run every row of the backend matrix for a few steps on the GPUs present and print a table:
+backend, processes, steps/s, tokens/s, peak memory per GPU, first and last loss.
+
+    python tools/gpu_check.py                     # all rows, all visible GPUs, BERT-base at seq 128
+    python tools/gpu_check.py --rows ddp,zero2 --steps 30 --out gpu_check.md
+    python tools/gpu_check.py --cpu --rows ddp,zero2 --size tiny   # the same table on 2 CPU processes
+
+The rows and their launch configs come from accelerate_configs/backends.tsv (the Makefile and the
+tests read the same table). Data is the embedded sample, so the check needs no network.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {   # model overrides; the recipe is tiny-mlm (embedded sample) resized
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+def rows() -> list[dict]:
+    out = []
+    for line in (REPO / "accelerate_configs/backends.tsv").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, config, ds_config, nprocs, kind = line.split("\t")
+            out.append(dict(name=name, config=config, kind=kind))
+    return out
+
+
+def run_row(row: dict, args, nproc: int, work: Path) -> dict:
+    out_dir = work / row["name"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    config = row["config"]
+    if args.cpu:
+        if row["kind"] == "deepspeed":
+            env["DS_ACCELERATOR"] = "cpu"
+        else:
+            env["ACCELERATE_USE_CPU"] = "1"
+        if row["kind"] == "ddp":
+            config = "accelerate_configs/cpu.yaml"
+    overrides = [f"--run.output_dir={out_dir}", f"--train.max_steps={args.steps}", "--logging.progress_bar=false",
+                 f"--logging.log_every={max(1, args.steps // 2)}", "--train.eval_every=null",
+                 "--checkpoint.save_every=null", "--checkpoint.export=false", "--logging.trackers=[]",
+                 "--logging.plot=false", f"--train.mixed_precision={args.precision}",
+                 f"--data.max_seq_length={args.seq}", f"--model.max_position_embeddings={max(512, args.seq)}",
+                 f"--train.micro_batch_size={args.micro}", f"--train.global_batch_size={args.micro * nproc}"]
+    overrides += [f"--model.{k}={v}" for k, v in SIZES[args.size].items()]
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(REPO / config),
+           "--num_processes", str(nproc)]
+    if row["kind"] == "multinode":   # one node here: the same config as a single machine
+        cmd += ["--num_machines", "1", "--machine_rank", "0"]
+    cmd += ["train.py", "--recipe", "recipes/tiny-mlm.yaml"] + overrides
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    (work / f"{row['name']}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        last = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()][-1:]
+        return {"backend": row["name"], "status": f"FAILED ({last[0][:80] if last else proc.returncode})"}
+    m = json.loads((out_dir / "metrics.json").read_text())
+    final, train = m["final"], m["history"]["train"]
+    last = train[-1]
+    peak = final.get("peak_memory_gb_per_rank")
+    return {"backend": row["name"], "status": "ok", "processes": final["num_processes"],
+            "steps_per_s": 1.0 / last["step_time_s"], "tokens_per_s": last.get("padded_tokens_per_sec", float("nan")),
+            "peak_gb": "/".join(f"{p:.1f}" for p in peak) if peak else "n/a (CPU)",
+            "first_loss": train[0]["loss"], "last_loss": last["loss"], "wall_s": time.perf_counter() - t0}
+
+
+def table(results: list[dict]) -> str:
+    head = "| backend | processes | steps/s | tokens/s | peak GB per rank | loss first -> last | status |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"| {r['backend']} | | | | | | {r['status']} |")
+            continue
+        lines.append(f"| {r['backend']} | {r['processes']} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['peak_gb']} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | ok |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", help="comma-separated backend names (default: all)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--size", choices=sorted(SIZES), default="base")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro", type=int, default=32)
+    parser.add_argument("--precision", default=None, help="default: bf16 on GPU, no on CPU")
+    parser.add_argument("--nproc", type=int, help="default: all GPUs (2 with --cpu)")
+    parser.add_argument("--cpu", action="store_true", help="run on 2 CPU processes (FSDP rows are skipped)")
+    parser.add_argument("--work", default="runs/gpu_check")
+    parser.add_argument("--out", help="also write the table (markdown) to this file")
+    parser.add_argument("--timeout", type=int, default=1800)
+    args = parser.parse_args()
+    import torch
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("no GPU visible: run on a GPU machine, or use --cpu to try the table on CPU processes")
+    args.precision = args.precision or ("no" if args.cpu else "bf16")
+    nproc = args.nproc or (2 if args.cpu else torch.cuda.device_count())
+    wanted = args.rows.split(",") if args.rows else None
+    work = REPO / args.work
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for row in rows():
+        if wanted and row["name"] not in wanted:
+            continue
+        if args.cpu and row["kind"] == "fsdp":
+            results.append({"backend": row["name"], "status": "skipped: Accelerate runs FSDP on GPUs only"})
+            continue
+        if row["name"] == "zero3-nvme":
+            results.append({"backend": row["name"], "status": "skipped: set nvme_path in ds_configs/zero3_nvme.json"})
+            continue
+        if row["name"] == "pipeline" and nproc % 2:
+            results.append({"backend": row["name"], "status": f"skipped: 2 stages need an even process count"})
+            continue
+        print(f"[gpu-check] {row['name']} on {nproc} processes ...", flush=True)
+        results.append(run_row(row, args, nproc, work))
+    device = "CPU" if args.cpu else torch.cuda.get_device_name(0)
+    text = (f"gpu-check: BERT-{args.size}, seq {args.seq}, micro batch {args.micro}, {args.precision}, "
+            f"{args.steps} steps, {nproc} x {device}\n\n" + table(results))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if any(r["status"].startswith("FAILED") for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
