@@ -110,6 +110,42 @@ def test_multinode_row(runs, ddp_reference, sample_dir, datasets_cache, shared_t
     assert_matches_ddp(out, ddp_reference[0])
 
 
+def test_pipeline_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
+    """2 stages x 1 replica. Each rank owns one stage's layers only; the word embeddings and the
+    MLM decoder stay one tied weight across the two stages; same batches as DDP, so same losses."""
+    out = runs / "pipeline"
+    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="pipeline")
+    final = metrics["final"]
+    backend = final["backend"]
+    assert final["num_processes"] == 2 and backend["pipeline_stages"] == 2 and backend["data_parallel_size"] == 1
+    assert sorted(r["stage_id"] for r in backend["ranks"]) == [0, 1]
+    assert all(r["local_param_numel"] < backend["full_param_numel"] for r in backend["ranks"]), backend
+    losses = [r["loss"] for r in metrics["history"]["train"]]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert final["eval_samples"] == final["eval_dataset_size"]
+    assert_matches_ddp(out, ddp_reference[0])
+    from transformers import AutoModelForMaskedLM
+    model = AutoModelForMaskedLM.from_pretrained(out / "model")   # tied again in the export
+    assert torch.equal(model.cls.predictions.decoder.weight, model.bert.embeddings.word_embeddings.weight)
+
+
+def test_pipeline_classification_and_data_parallel(runs, ddp_reference, tmp_path, sample_dir, datasets_cache):
+    """Classification through the pipeline, 2 stages x 2 data-parallel replicas = 4 processes,
+    starting from the DDP export; its export then fine-tunes under DDP."""
+    export = runs / "ddp/model"
+    metrics = launch(4, tiny_args(tmp_path / "pipe_cls", sample_dir, datasets_cache, task="classification", **{
+        "model.name_or_path": export, "train.max_steps": 8, "train.global_batch_size": 16,
+        "train.micro_batch_size": 4}), backend="pipeline")
+    backend = metrics["final"]["backend"]
+    assert backend["pipeline_stages"] == 2 and backend["data_parallel_size"] == 2
+    assert sorted(r["stage_id"] for r in backend["ranks"]) == [0, 0, 1, 1]
+    assert metrics["final"]["eval_samples"] == metrics["final"]["eval_dataset_size"]
+    assert metrics["final"]["last_train_loss"] < metrics["final"]["first_train_loss"]
+    again = launch(2, tiny_args(tmp_path / "ddp_cls", sample_dir, datasets_cache, task="classification", **{
+        "model.name_or_path": tmp_path / "pipe_cls/model", "train.max_steps": 4}), backend="ddp")
+    assert again["final"]["num_processes"] == 2
+
+
 @pytest.mark.parametrize("name", ["zero3", "fsdp", "pipeline"])
 def test_sharded_resume_equals_uninterrupted(name, runs, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """Halt at step 8 (after its checkpoint), resume from the sharded checkpoint, finish at 16:
@@ -163,39 +199,3 @@ def test_gradient_accumulation_equivalence(name, tmp_path, runs, ddp_reference, 
     for ra, rb in zip(a["eval"], b["eval"]):
         assert ra["accuracy"] == rb["accuracy"]
     assert results[2]["final"]["eval_samples"] == results[8]["final"]["eval_samples"]
-
-
-def test_pipeline_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
-    """2 stages x 1 replica. Each rank owns one stage's layers only; the word embeddings and the
-    MLM decoder stay one tied weight across the two stages; same batches as DDP, so same losses."""
-    out = runs / "pipeline"
-    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="pipeline")
-    final = metrics["final"]
-    backend = final["backend"]
-    assert final["num_processes"] == 2 and backend["pipeline_stages"] == 2 and backend["data_parallel_size"] == 1
-    assert sorted(r["stage_id"] for r in backend["ranks"]) == [0, 1]
-    assert all(r["local_param_numel"] < backend["full_param_numel"] for r in backend["ranks"]), backend
-    losses = [r["loss"] for r in metrics["history"]["train"]]
-    assert losses[-1] < losses[0] - 0.3, losses
-    assert final["eval_samples"] == final["eval_dataset_size"]
-    assert_matches_ddp(out, ddp_reference[0])
-    from transformers import AutoModelForMaskedLM
-    model = AutoModelForMaskedLM.from_pretrained(out / "model")   # tied again in the export
-    assert torch.equal(model.cls.predictions.decoder.weight, model.bert.embeddings.word_embeddings.weight)
-
-
-def test_pipeline_classification_and_data_parallel(runs, ddp_reference, tmp_path, sample_dir, datasets_cache):
-    """Classification through the pipeline, 2 stages x 2 data-parallel replicas = 4 processes,
-    starting from the DDP export; its export then fine-tunes under DDP."""
-    export = runs / "ddp/model"
-    metrics = launch(4, tiny_args(tmp_path / "pipe_cls", sample_dir, datasets_cache, task="classification", **{
-        "model.name_or_path": export, "train.max_steps": 8, "train.global_batch_size": 16,
-        "train.micro_batch_size": 4}), backend="pipeline")
-    backend = metrics["final"]["backend"]
-    assert backend["pipeline_stages"] == 2 and backend["data_parallel_size"] == 2
-    assert sorted(r["stage_id"] for r in backend["ranks"]) == [0, 0, 1, 1]
-    assert metrics["final"]["eval_samples"] == metrics["final"]["eval_dataset_size"]
-    assert metrics["final"]["last_train_loss"] < metrics["final"]["first_train_loss"]
-    again = launch(2, tiny_args(tmp_path / "ddp_cls", sample_dir, datasets_cache, task="classification", **{
-        "model.name_or_path": tmp_path / "pipe_cls/model", "train.max_steps": 4}), backend="ddp")
-    assert again["final"]["num_processes"] == 2
