@@ -104,7 +104,7 @@ def _port() -> int:
 
 
 def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher: str = "accelerate",
-           timeout: int = 900, env: dict | None = None, backend: str = "ddp") -> dict:
+           timeout: int = 900, env: dict | None = None, backend: str = "ddp", config: Path | None = None) -> dict:
     """Run train.py as a real multi-process job on CPU, under a row of the backend matrix; return
     its metrics.json (final, history, config). Each backend kind gets the CPU launch that really
     engages it (see FEASIBILITY: the obvious ones silently fall back)."""
@@ -127,7 +127,7 @@ def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher
                  "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
                  "--main_process_ip", "127.0.0.1", "--main_process_port", port] + args for rank in (0, 1)]
     else:
-        config = REPO / ("accelerate_configs/cpu.yaml" if row["kind"] == "ddp" else row["config"])
+        config = config or REPO / ("accelerate_configs/cpu.yaml" if row["kind"] == "ddp" else row["config"])
         cmds = [[str(bin_dir / "accelerate"), "launch", "--config_file", str(config), "--num_processes", str(nproc),
                  "--main_process_port", port] + args]
     procs = [subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -93,6 +93,38 @@ def test_deepspeed_rows(name, stage, sharded, offload, runs, ddp_reference, samp
     assert_matches_ddp(out, ddp_reference[0])
 
 
+def _libaio_available() -> bool:
+    import ctypes.util
+    return ctypes.util.find_library("aio") is not None
+
+
+@pytest.mark.skipif(not _libaio_available(), reason="NVMe offload needs libaio (apt-get install libaio-dev; .ci/run does)")
+def test_zero3_nvme_row(runs, ddp_reference, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """ZeRO-3 with parameters and optimizer states swapped to disk (a tmp dir stands in for the
+    NVMe mount): DeepSpeed's swapper engages on that path and the run matches DDP."""
+    repo = Path(__file__).resolve().parents[1]
+    ds = json.loads((repo / "ds_configs/zero3_nvme.json").read_text())
+    for kind in ("offload_optimizer", "offload_param"):
+        ds["zero_optimization"][kind]["nvme_path"] = str(tmp_path / "nvme")
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    yaml_text = (repo / "accelerate_configs/zero3_nvme.yaml").read_text()
+    (tmp_path / "acc.yaml").write_text(yaml_text.replace("ds_configs/zero3_nvme.json", str(tmp_path / "ds.json")))
+    out = runs / "zero3-nvme"
+    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="zero3-nvme",
+                     config=tmp_path / "acc.yaml", timeout=1200)
+    assert_healthy(metrics, "DistributedType.DEEPSPEED")
+    backend = metrics["final"]["backend"]
+    assert backend["offload_param"] and backend["offload_optimizer"] and backend["params_sharded"], backend
+    # DeepSpeed's swapper lays out per-rank parameter and optimizer swap areas under nvme_path
+    # (the swap files themselves are removed when the engine closes)
+    swap = tmp_path / "nvme" / "zero_stage_3"
+    assert (swap / "float32params" / "rank0").is_dir() and (swap / "float32params" / "rank1").is_dir(), \
+        sorted(str(p) for p in (tmp_path / "nvme").rglob("*"))
+    assert (swap / "optimizer").is_dir()
+    assert_matches_ddp(out, ddp_reference[0])
+
+
 def test_fsdp_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
     out = runs / "fsdp"
     metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="fsdp")
