@@ -16,7 +16,7 @@ export HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 
-.PHONY: help setup demo test gpu-check print-config clean
+.PHONY: help setup demo test env-check allreduce gpu-check print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -67,6 +67,17 @@ else
 	$(ACCEL) launch --config_file $(or $(CONFIG),accelerate_configs/multinode.yaml) --machine_rank $(MACHINE_RANK) \
 		$(if $(MAIN_IP),--main_process_ip $(MAIN_IP)) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 endif
+
+# ---------------------------------------------------------------- diagnostics (README: "When training is slow or hangs")
+GPUS      = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+DIAG_NPROC = $(or $(NPROC),$(if $(filter-out 0,$(GPUS)),$(GPUS),2))
+DIAG_ENV   = $(if $(filter-out 0,$(GPUS)),,ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1)
+
+env-check: setup  ## versions, GPUs, topology, P2P matrix, NCCL variables, buildable DeepSpeed ops (ARGS=--json)
+	$(PY) tools/env_check.py $(ARGS)
+
+allreduce: setup  ## all-reduce bus bandwidth 8 B..1 GiB over NPROC ranks, checked against the link; hangs reported
+	$(DIAG_ENV) $(VENV)/bin/torchrun --nproc_per_node $(DIAG_NPROC) tools/allreduce.py $(ARGS)
 
 gpu-check: setup  ## every backend row for a few steps on the GPUs present: steps/s, peak memory, loss (ARGS="--rows ddp,zero2")
 	$(PY) tools/gpu_check.py $(ARGS)

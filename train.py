@@ -33,6 +33,7 @@ from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.metrics import compute_metrics, default_metrics
 from bert_recipes.modeling import build_model, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
+from bert_recipes.perf import DataLoaderWatch, flops_per_token, peak_flops
 
 
 # ----------------------------------------------------------------------------- accelerator
@@ -160,6 +161,23 @@ def evaluate(accelerator, model, loader, cfg: Config) -> dict[str, float]:
     return {**out, "eval_samples": len(refs)}
 
 
+def start_profiler(output_dir: Path):
+    """torch.profiler over optimizer steps 2-4 (wait 1, warmup 1, active 3), TensorBoard trace."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                       on_trace_ready=tensorboard_trace_handler(str(output_dir / "profile")))
+    profiler.start()
+    return profiler
+
+
+def profile_table(profiler, output_dir: Path) -> str:
+    """The top 10 operators by self time over the profiled steps."""
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=key, row_limit=10)
+    return f"[profile] top 10 operators by self time (trace: tensorboard --logdir {output_dir / 'profile'})\n{table}"
+
+
 def peak_memory_gb(accelerator) -> list[float] | None:
     """torch.cuda.max_memory_allocated of every rank, in GB (None on CPU)."""
     if not torch.cuda.is_available():
@@ -206,6 +224,7 @@ def main(cfg: Config) -> dict:
     # Own generators: otherwise each new iterator draws its worker seed from the global torch RNG,
     # which shifts the dropout stream of a resumed run away from the uninterrupted one.
     loader_kwargs = dict(collate_fn=collate, num_workers=cfg.data.num_workers,
+                         persistent_workers=cfg.data.persistent_workers and cfg.data.num_workers > 0,
                          pin_memory=cfg.data.pin_memory and torch.cuda.is_available(),
                          generator=torch.Generator().manual_seed(cfg.run.seed))
     train_loader = DataLoader(Indexed(data["train"]), batch_size=cfg.train.micro_batch_size, shuffle=True,
@@ -269,6 +288,14 @@ def main(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------- loop
     model.train()
+    config_hf = accelerator.unwrap_model(model).config
+    mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
+    flops_token = flops_per_token(config_hf, cfg.data.max_seq_length, mlm_fraction)
+    peak, peak_source = peak_flops(accelerator.device, accelerator.mixed_precision)
+    print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
+           f"({peak_source})")
+    watch = DataLoaderWatch(cfg.logging.dataloader_warn_share)
+    profiler = start_profiler(output_dir) if cfg.logging.profile else None
     meter = Throughput()
     bar = tqdm(total=total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
                disable=not (accelerator.is_local_main_process and cfg.logging.progress_bar))
@@ -282,6 +309,7 @@ def main(cfg: Config) -> dict:
         loader = accelerator.skip_first_batches(train_loader, done_in_epoch) if done_in_epoch else train_loader
         loader.set_epoch(epoch)   # the skipping loader is new: give it the epoch, or it reshuffles as epoch 0
         for batch in loader:
+            meter.batch_arrived()
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -297,25 +325,37 @@ def main(cfg: Config) -> dict:
             state["step"] += 1
             meter.steps += 1
             bar.update(1)
+            if profiler is not None:
+                profiler.step()
             step = state["step"]
             if step % cfg.logging.log_every == 0 or step == total_steps:
                 row = {"step": step, "epoch": round(step / steps_per_epoch, 3), **meter.read(accelerator),
                        "lr": scheduler.get_last_lr()[0],
                        "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
+                row["mfu"] = flops_token * row["padded_tokens_per_sec"] / (peak * accelerator.num_processes)
+                _, warning = watch.verdict(row["data_wait_share"], row["window_steps"], row["window_s"])
+                if warning:
+                    print0(warning)
                 state["history"]["train"].append(row)
                 accelerator.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
                 print0(f"[train] step {step}/{total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
                        f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
                        f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
-                       f"{row['step_time_s'] * 1000:.0f} ms/step")
+                       f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
+                       f"data-wait {row['data_wait_share']:.0%}")
+            t_aside = time.perf_counter()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total_steps:
                 run_eval()
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total_steps:
                 checkpoint_now()
+            meter.exclude(time.perf_counter() - t_aside)
             if step >= stop_at:
                 break
     bar.close()
+    if profiler is not None:
+        profiler.stop()
+        print0(profile_table(profiler, output_dir))
     if state["step"] < total_steps:   # halted early on purpose: save and leave the rest to --resume auto
         checkpoint_now()
         print0(f"[halt] stopped at step {state['step']}/{total_steps} as train.halt_at_step asks; "
@@ -362,6 +402,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument("--recipe", help="recipe YAML (see recipes/)")
     parser.add_argument("--resume", help="shorthand for --checkpoint.resume: 'auto' or a checkpoint directory")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--profile", action="store_true", help="shorthand for --logging.profile=true")
     args, rest = parser.parse_known_args(argv)
     overrides = []
     for item in rest:
@@ -370,6 +411,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
         overrides.append(item[2:])
     if args.resume:
         overrides.append(f"checkpoint.resume={args.resume}")
+    if args.profile:
+        overrides.append("logging.profile=true")
     return load_config(args.recipe, overrides), args.print_config
 
 

@@ -103,6 +103,9 @@ class DataConfig:
     """Processes for datasets.map tokenization (results are cached by fingerprint)."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
+    persistent_workers: bool = False
+    """Keep DataLoader workers alive across epochs (needs num_workers > 0). MLM masks are then
+    drawn with the epoch the workers started in (static masking per worker lifetime)."""
     pin_memory: bool = True
     """Pinned host memory for faster host->GPU copies (ignored on CPU)."""
     cache_dir: Optional[str] = None
@@ -169,6 +172,11 @@ class LoggingConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Any of tensorboard, wandb, mlflow (the last two when installed); [] for none."""
     progress_bar: bool = True
+    profile: bool = False
+    """torch.profiler over steps 2-4 (wait 1, warmup 1, active 3): a TensorBoard trace in
+    output_dir/profile and a printed top-10 of operators by self time. CLI: --profile."""
+    dataloader_warn_share: float = 0.2
+    """Warn (once) when more than this share of step time is spent waiting for batches."""
     plot: bool = True
     """Write curves.png (loss and eval metrics) to output_dir at the end."""
 

@@ -20,6 +20,9 @@ class Throughput:
 
     def reset(self):
         self.t0 = time.perf_counter()
+        self.last_end = self.t0
+        self.wait_s = 0.0
+        self.excluded_s = 0.0
         self.samples = 0
         self.tokens_real = 0
         self.tokens_padded = 0
@@ -27,7 +30,18 @@ class Throughput:
         self.micro_batches = 0
         self.steps = 0
 
+    def batch_arrived(self):
+        """Call when the loop receives a batch: the time since the last micro-batch ended was
+        spent waiting for data."""
+        self.wait_s += time.perf_counter() - self.last_end
+
+    def exclude(self, seconds: float):
+        """Take time spent outside training (eval, checkpoints) out of the window."""
+        self.excluded_s += seconds
+        self.last_end = time.perf_counter()
+
     def add_micro_batch(self, batch: dict, loss: torch.Tensor):
+        self.last_end = time.perf_counter()
         ids = batch["input_ids"]
         self.samples += ids.shape[0]
         self.tokens_padded += ids.numel()
@@ -37,16 +51,18 @@ class Throughput:
 
     def read(self, accelerator) -> dict[str, float]:
         """Sums over ranks (one small all-reduce), then rates over the window's wall time."""
-        elapsed = time.perf_counter() - self.t0
+        elapsed = max(time.perf_counter() - self.t0 - self.excluded_s, 1e-9)
         local = torch.tensor([self.samples, self.tokens_real, self.tokens_padded, self.loss_sum,
-                              self.micro_batches], dtype=torch.float64, device=accelerator.device)
+                              self.micro_batches, self.wait_s], dtype=torch.float64, device=accelerator.device)
         total = accelerator.reduce(local, reduction="sum").tolist()
-        samples, real, padded, loss_sum, micro = total
+        samples, real, padded, loss_sum, micro, wait = total
         out = {"loss": loss_sum / max(micro, 1),
                "samples_per_sec": samples / elapsed,
                "tokens_per_sec": real / elapsed,
                "padded_tokens_per_sec": padded / elapsed,
-               "step_time_s": elapsed / max(self.steps, 1)}
+               "step_time_s": elapsed / max(self.steps, 1),
+               "data_wait_share": wait / (elapsed * accelerator.num_processes),
+               "window_s": elapsed, "window_steps": self.steps}
         self.reset()
         return out
 

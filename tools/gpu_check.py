@@ -119,7 +119,7 @@ def main():
             results.append({"backend": row["name"], "status": "skipped: set nvme_path in ds_configs/zero3_nvme.json"})
             continue
         if row["name"] == "pipeline" and nproc % 2:
-            results.append({"backend": row["name"], "status": f"skipped: 2 stages need an even process count"})
+            results.append({"backend": row["name"], "status": "skipped: 2 stages need an even process count"})
             continue
         print(f"[gpu-check] {row['name']} on {nproc} processes ...", flush=True)
         results.append(run_row(row, args, nproc, work))
