@@ -16,7 +16,7 @@ export HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 
-.PHONY: help setup demo test env-check allreduce gpu-check print-config clean
+.PHONY: help setup demo test env-check allreduce scaling gpu-check print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -78,6 +78,9 @@ env-check: setup  ## versions, GPUs, topology, P2P matrix, NCCL variables, build
 
 allreduce: setup  ## all-reduce bus bandwidth 8 B..1 GiB over NPROC ranks, checked against the link; hangs reported
 	$(DIAG_ENV) $(VENV)/bin/torchrun --nproc_per_node $(DIAG_NPROC) tools/allreduce.py $(ARGS)
+
+scaling: setup  ## throughput at 1, 2, 4 ... processes (ARGS="--backend zero2", "--cpu --size tiny"): table + PNG
+	$(PY) tools/scaling.py $(ARGS)
 
 gpu-check: setup  ## every backend row for a few steps on the GPUs present: steps/s, peak memory, loss (ARGS="--rows ddp,zero2")
 	$(PY) tools/gpu_check.py $(ARGS)

@@ -79,3 +79,16 @@ def test_allreduce_hang_is_reported_not_silent():
     assert proc.returncode != 0
     assert "did not finish within 5.0s" in proc.stderr and "NCCL_DEBUG=INFO" in proc.stderr
     assert time.time() - t0 < 200
+
+
+def test_scaling_table_and_chart_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "tools/scaling.py", "--cpu", "--counts", "1,2", "--size", "tiny",
+                           "--seq", "32", "--micro", "8", "--steps", "6", "--work", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (tmp_path / "ddp/scaling.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and "| 1.00x | 100% |" in rows[0]
+    efficiency = float(rows[1].split("|")[5].strip().rstrip("%"))
+    assert 10 < efficiency < 200, rows
+    assert (tmp_path / "ddp/scaling.png").stat().st_size > 10_000

@@ -1,0 +1,86 @@
+"""Scaling check: the same recipe for a fixed number of steps at 1, 2, 4 ... processes under one
+backend, with the micro batch per process fixed (weak scaling: the global batch grows with the
+process count, as when adding GPUs). Writes a table and a PNG chart.
+
+    python tools/scaling.py --backend ddp                 # 1, 2, 4, ... up to the GPUs present
+    python tools/scaling.py --backend zero2 --counts 1,2,4,8
+    python tools/scaling.py --cpu --size tiny             # 1 and 2 CPU processes
+    make scaling ARGS="--backend zero2"
+
+efficiency(n) = tokens/s(n) / (n x tokens/s(1)). overhead share(n) = 1 - step_time(1) / step_time(n):
+with the same work per process, the extra time per step is communication and synchronisation.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import REPO, SIZES, rows, run_row   # noqa: E402  (same launcher as gpu-check)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="ddp", help="a row of accelerate_configs/backends.tsv")
+    parser.add_argument("--counts", help="process counts, e.g. 1,2,4,8 (default: powers of 2 up to the devices)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--size", choices=sorted(SIZES), default="base")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro", type=int, default=32)
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--cpu", action="store_true", help="CPU processes (one core each)")
+    parser.add_argument("--work", default="runs/scaling")
+    parser.add_argument("--timeout", type=int, default=1800)
+    args = parser.parse_args()
+    import torch
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("no GPU visible: use --cpu to measure CPU processes")
+    args.precision = args.precision or ("no" if args.cpu else "bf16")
+    devices = (__import__("os").cpu_count() or 1) if args.cpu else torch.cuda.device_count()
+    counts = [int(c) for c in args.counts.split(",")] if args.counts else \
+        [2 ** k for k in range(8) if 2 ** k <= devices]
+    row = next((r for r in rows() if r["name"] == args.backend), None)
+    if row is None:
+        sys.exit(f"unknown backend {args.backend!r}: one of {[r['name'] for r in rows()]}")
+    work = REPO / args.work / args.backend
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for n in counts:
+        print(f"[scaling] {args.backend} on {n} process(es) ...", flush=True)
+        r = run_row(row, args, n, work / f"n{n}")
+        if r["status"] != "ok":
+            sys.exit(f"{args.backend} on {n} processes failed: {r['status']} (log in {work / f'n{n}'})")
+        results.append({"n": n, **r})
+    base = results[0]
+    lines = [f"scaling: {args.backend}, BERT-{args.size}, seq {args.seq}, micro {args.micro} per process, "
+             f"{args.precision}, {args.steps} steps, {'CPU' if args.cpu else torch.cuda.get_device_name(0)}", "",
+             "| processes | steps/s | tokens/s | speedup | efficiency | overhead share (comm + sync) |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["efficiency"] = r["speedup"] / (r["n"] / base["n"])
+        r["overhead"] = max(0.0, 1 - r["steps_per_s"] / base["steps_per_s"])   # same work per process
+        lines.append(f"| {r['n']} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+                     f"{r['efficiency']:.0%} | {r['overhead']:.0%} |")
+    text = "\n".join(lines)
+    print(text)
+    (work / "scaling.md").write_text(text + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    ns = [r["n"] for r in results]
+    a1.plot(ns, [r["speedup"] for r in results], "o-", label="measured")
+    a1.plot(ns, [n / base["n"] for n in ns], "--", label="ideal")
+    a1.set_xlabel("processes"), a1.set_ylabel("tokens/s speedup"), a1.legend(), a1.grid(alpha=0.3)
+    a2.bar([str(n) for n in ns], [r["efficiency"] * 100 for r in results])
+    a2.set_xlabel("processes"), a2.set_ylabel("scaling efficiency (%)"), a2.grid(alpha=0.3, axis="y")
+    fig.suptitle(lines[0])
+    fig.tight_layout()
+    fig.savefig(work / "scaling.png", dpi=100)
+    print(f"table: {work / 'scaling.md'}  chart: {work / 'scaling.png'}")
+
+
+if __name__ == "__main__":
+    main()
