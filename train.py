@@ -30,10 +30,11 @@ from bert_recipes.checkpoint import export_model, load_checkpoint, resolve_resum
 from bert_recipes.config import Config, ConfigError, grad_accum_steps, flat_dict, load_config, to_yaml, validate
 from bert_recipes.data import ClassificationCollator, Indexed, MLMCollator, get_tokenizer, load_raw, tokenize
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
-from bert_recipes.metrics import compute_metrics, default_metrics
+from bert_recipes.metrics import compute_metrics, default_metrics, majority_baseline
 from bert_recipes.modeling import build_model, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
-from bert_recipes.perf import DataLoaderWatch, flops_per_token, peak_flops
+from bert_recipes.perf import (DataLoaderWatch, flops_per_token, peak_flops, peak_memory_gb, profile_table,
+                               start_profiler)
 
 
 # ----------------------------------------------------------------------------- accelerator
@@ -159,37 +160,6 @@ def evaluate(accelerator, model, loader, cfg: Config) -> dict[str, float]:
     if cfg.task.num_labels == 1:
         out["eval_loss"] = float(((preds - refs) ** 2).mean())
     return {**out, "eval_samples": len(refs)}
-
-
-def start_profiler(output_dir: Path):
-    """torch.profiler over optimizer steps 2-4 (wait 1, warmup 1, active 3), TensorBoard trace."""
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                       on_trace_ready=tensorboard_trace_handler(str(output_dir / "profile")))
-    profiler.start()
-    return profiler
-
-
-def profile_table(profiler, output_dir: Path) -> str:
-    """The top 10 operators by self time over the profiled steps."""
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    table = profiler.key_averages().table(sort_by=key, row_limit=10)
-    return f"[profile] top 10 operators by self time (trace: tensorboard --logdir {output_dir / 'profile'})\n{table}"
-
-
-def peak_memory_gb(accelerator) -> list[float] | None:
-    """torch.cuda.max_memory_allocated of every rank, in GB (None on CPU)."""
-    if not torch.cuda.is_available():
-        return None
-    local = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=accelerator.device)
-    return accelerator.gather(local).tolist()
-
-
-def majority_baseline(train_labels, eval_labels) -> float:
-    """Accuracy of always predicting the training set's most frequent label."""
-    values, counts = torch.unique(torch.as_tensor(train_labels), return_counts=True)
-    return float((torch.as_tensor(eval_labels) == values[counts.argmax()]).float().mean())
 
 
 # ----------------------------------------------------------------------------- main

@@ -113,3 +113,28 @@ class DataLoaderWatch:
                  "cheapest first:"]
         lines += [f"         {n}. {r}" for n, r in enumerate(self.REMEDIES, 1)]
         return share, "\n".join(lines)
+
+
+def start_profiler(output_dir):
+    """torch.profiler over optimizer steps 2-4 (wait 1, warmup 1, active 3), TensorBoard trace."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                       on_trace_ready=tensorboard_trace_handler(str(output_dir / "profile")))
+    profiler.start()
+    return profiler
+
+
+def profile_table(profiler, output_dir) -> str:
+    """The top 10 operators by self time over the profiled steps."""
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=key, row_limit=10)
+    return f"[profile] top 10 operators by self time (trace: tensorboard --logdir {output_dir / 'profile'})\n{table}"
+
+
+def peak_memory_gb(accelerator) -> list[float] | None:
+    """torch.cuda.max_memory_allocated of every rank, in GB (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    local = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=accelerator.device)
+    return accelerator.gather(local).tolist()

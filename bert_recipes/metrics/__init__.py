@@ -37,3 +37,10 @@ def compute_metrics(names: list[str], predictions, references, num_labels: int) 
             kwargs["average"] = "binary" if num_labels == 2 else "macro"
         out.update(load_metric(name).compute(predictions=predictions, references=references, **kwargs))
     return {k: float(v) for k, v in out.items()}
+
+
+def majority_baseline(train_labels, eval_labels) -> float:
+    """Accuracy of always predicting the training set's most frequent label."""
+    import torch
+    values, counts = torch.unique(torch.as_tensor(train_labels), return_counts=True)
+    return float((torch.as_tensor(eval_labels) == values[counts.argmax()]).float().mean())
