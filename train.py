@@ -359,6 +359,9 @@ def main(cfg: Config) -> dict:
         write_metrics(output_dir / "metrics.json", final, state["history"], {"config": flat_dict(cfg)})
         if cfg.logging.plot:
             plot_curves(output_dir / "curves.png", state["history"], f"{cfg.run.name} ({cfg.task.kind})")
+    if final["peak_memory_gb_per_rank"]:
+        print0("[memory] peak allocated per GPU (torch.cuda.max_memory_allocated): "
+               + ", ".join(f"{gb:.2f} GB" for gb in final["peak_memory_gb_per_rank"]))
     print0(f"[done] {state['step']} steps in {final['wall_time_s']:.0f}s; metrics.json, curves.png and "
            f"TensorBoard logs in {output_dir}")
     accelerator.end_training()
