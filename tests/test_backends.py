@@ -53,6 +53,7 @@ def assert_matches_ddp(out: Path, reference: Path):
     wa, wb = load_file(out / "model/model.safetensors"), load_file(reference / "model/model.safetensors")
     assert wa.keys() == wb.keys()
     worst = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+    print(f"[vs DDP] {out.name}: train loss {max(gaps):.1e}, eval loss {max(eval_gaps):.1e}, weights {worst:.1e}")
     assert worst < WEIGHT_TOL, f"exported weights vs DDP: max abs diff {worst}"
 
 
