@@ -191,7 +191,10 @@ def test_sharded_resume_equals_uninterrupted(name, runs, tmp_path, sample_dir, d
     assert halted["final"] == {"steps": 8, "halted": True}
     resumed = launch(2, args + ["checkpoint.resume=auto"], backend=name)
     assert "[resume] from" in (tmp_path / "split.log").read_text()
-    assert resumed["final"]["steps"] == STEPS
+    assert resumed["final"]["steps"] == STEPS and resumed["final"]["num_processes"] == 2
+    engaged = {"zero3": "DistributedType.DEEPSPEED", "fsdp": "DistributedType.FSDP", "pipeline": "DEEPSPEED_PIPELINE"}
+    assert resumed["final"]["backend"]["distributed_type"] == engaged[name]
+    assert resumed["final"]["backend"]["params_sharded"] is True
     wa, wb = load_file(full / "model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0, msg=k)
@@ -226,6 +229,11 @@ def test_gradient_accumulation_equivalence(name, tmp_path, runs, ddp_reference, 
         results[micro] = launch(2, tiny_args(out, sample_dir, datasets_cache, task="classification", **{
             **NO_DROPOUT, "model.name_or_path": export, "train.max_steps": 8, "train.global_batch_size": 16,
             "train.micro_batch_size": micro, "train.eval_every": 4}), backend=name)
+    for r in results.values():   # really 2 ranks, really the backend asked for
+        assert r["final"]["num_processes"] == 2
+        assert r["final"]["backend"]["distributed_type"] == \
+            ("DistributedType.DEEPSPEED" if name == "zero2" else "DistributedType.MULTI_CPU")
+        assert r["final"]["backend"].get("zero_stage", 2) == 2
     a, b = results[8]["history"], results[2]["history"]
     for ra, rb in zip(a["train"], b["train"]):
         assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-4), (ra, rb)

@@ -41,8 +41,9 @@ def test_ddp_two_processes_match_one_process_with_accumulation(tmp_path, sample_
 
 def test_ddp_classification_from_exported_model(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """pretrain -> export -> fine-tune, both under 2-process DDP, with resume in the middle."""
-    launch(2, tiny_args(tmp_path / "mlm", sample_dir, datasets_cache,
-                        **{"tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8}))
+    mlm = launch(2, tiny_args(tmp_path / "mlm", sample_dir, datasets_cache,
+                              **{"tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8}))["final"]
+    assert mlm["num_processes"] == 2 and mlm["distributed_type"] == "DistributedType.MULTI_CPU"
     cls_args = tiny_args(tmp_path / "cls", sample_dir, datasets_cache, task="classification",
                          **{"model.name_or_path": tmp_path / "mlm/model", "train.max_steps": 12,
                             "checkpoint.save_every": 6, "data.max_eval_samples": 101})
@@ -50,6 +51,7 @@ def test_ddp_classification_from_exported_model(tmp_path, sample_dir, datasets_c
     assert halted["final"] == {"steps": 6, "halted": True}
     metrics = launch(2, cls_args + ["checkpoint.resume=auto"])["final"]
     assert metrics["num_processes"] == 2 and metrics["steps"] == 12
+    assert metrics["distributed_type"] == "DistributedType.MULTI_CPU"
     assert metrics["eval_samples"] == metrics["eval_dataset_size"] == 101   # odd size: padding dropped
     assert metrics["rank_checksums"][0] == metrics["rank_checksums"][1]
     assert "[resume] from" in (tmp_path / "cls.log").read_text()
