@@ -16,7 +16,7 @@ export HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 
-.PHONY: help setup demo test env-check allreduce scaling gpu-check print-config clean
+.PHONY: help setup demo test env-check allreduce scaling memory gpu-check print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -81,6 +81,9 @@ allreduce: setup  ## all-reduce bus bandwidth 8 B..1 GiB over NPROC ranks, check
 
 scaling: setup  ## throughput at 1, 2, 4 ... processes (ARGS="--backend zero2", "--cpu --size tiny"): table + PNG
 	$(PY) tools/scaling.py $(ARGS)
+
+memory: setup  ## will it fit? per-device memory of RECIPE for every backend + verdict (CONFIG=..., ARGS="--world 8 --gpu-memory 24")
+	$(PY) tools/memory.py --recipe $(RECIPE) $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
 
 gpu-check: setup  ## every backend row for a few steps on the GPUs present: steps/s, peak memory, loss (ARGS="--rows ddp,zero2")
 	$(PY) tools/gpu_check.py $(ARGS)

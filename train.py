@@ -30,6 +30,7 @@ from bert_recipes.checkpoint import export_model, load_checkpoint, resolve_resum
 from bert_recipes.config import Config, ConfigError, grad_accum_steps, flat_dict, load_config, to_yaml, validate
 from bert_recipes.data import ClassificationCollator, Indexed, MLMCollator, get_tokenizer, load_raw, tokenize
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
+from bert_recipes.memory import backend_name, describe_plan, predict_run
 from bert_recipes.metrics import compute_metrics, default_metrics, majority_baseline
 from bert_recipes.modeling import build_model, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
@@ -231,6 +232,11 @@ def main(cfg: Config) -> dict:
     assert len(train_loader) == batches_per_epoch, (len(train_loader), batches_per_epoch)
     backend = describe(accelerator, model, full_param_numel)
     print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
+    ds_plugin = accelerator.state.deepspeed_plugin
+    memory_plan = predict_run(cfg, accelerator.unwrap_model(model).config, backend, accelerator.device.type,
+                              ds_plugin.deepspeed_config if ds_plugin else None)
+    print0(f"[memory] predicted per device ({backend_name(backend)}; all backends: make memory): "
+           + describe_plan(memory_plan))
 
     # -------------------------------------------------------------------- resume
     state = {"step": 0, "history": {"train": [], "eval": []}}
@@ -351,6 +357,7 @@ def main(cfg: Config) -> dict:
              "num_processes": accelerator.num_processes,
              "eval_dataset_size": len(data["eval"]),
              "peak_memory_gb_per_rank": peak_memory_gb(accelerator),
+             "predicted_peak_memory_gb": memory_plan.peak / 1e9,
              "rank_checksums": rank_checksums(accelerator, model),
              "distributed_type": str(accelerator.distributed_type), "backend": backend}
     if baseline is not None:
@@ -361,7 +368,8 @@ def main(cfg: Config) -> dict:
             plot_curves(output_dir / "curves.png", state["history"], f"{cfg.run.name} ({cfg.task.kind})")
     if final["peak_memory_gb_per_rank"]:
         print0("[memory] peak allocated per GPU (torch.cuda.max_memory_allocated): "
-               + ", ".join(f"{gb:.2f} GB" for gb in final["peak_memory_gb_per_rank"]))
+               + ", ".join(f"{gb:.2f} GB" for gb in final["peak_memory_gb_per_rank"])
+               + f"; predicted {memory_plan.peak / 1e9:.2f} GB")
     print0(f"[done] {state['step']} steps in {final['wall_time_s']:.0f}s; metrics.json, curves.png and "
            f"TensorBoard logs in {output_dir}")
     accelerator.end_training()

@@ -60,45 +60,55 @@ class RecipeBertForMaskedLM(BertForMaskedLM):
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer):
-    """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_token_id: int | None):
+    """The model's config: the checkpoint's (model.name_or_path) or a fresh BertConfig from the
+    recipe's fields, with the recipe's dropout and the task's labels on top."""
+    from transformers import AutoConfig, BertConfig
 
     overrides = {k: v for k, v in (("hidden_dropout_prob", model_cfg.hidden_dropout_prob),
                                    ("attention_probs_dropout_prob", model_cfg.attention_probs_dropout_prob))
                  if v is not None}
-    labels = {}
     if task.kind == "classification":
-        labels = {"num_labels": task.num_labels,
-                  "problem_type": "regression" if task.num_labels == 1 else "single_label_classification"}
+        overrides["num_labels"] = task.num_labels
+        overrides["problem_type"] = "regression" if task.num_labels == 1 else "single_label_classification"
         if task.label_names:
-            labels["id2label"] = dict(enumerate(task.label_names))
-            labels["label2id"] = {n: i for i, n in enumerate(task.label_names)}
-
+            overrides["id2label"] = dict(enumerate(task.label_names))
+            overrides["label2id"] = {n: i for i, n in enumerate(task.label_names)}
     if model_cfg.name_or_path:
-        config = AutoConfig.from_pretrained(model_cfg.name_or_path, **overrides, **labels)
+        config = AutoConfig.from_pretrained(model_cfg.name_or_path, **overrides)
         if task.kind == "mlm" and config.model_type != "bert":
             raise ValueError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model; "
                              "mlm pretraining here builds BERT (model_type bert)")
+        return config
+    config = BertConfig(
+        vocab_size=vocab_size, hidden_size=model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_hidden_layers, num_attention_heads=model_cfg.num_attention_heads,
+        intermediate_size=model_cfg.intermediate_size, max_position_embeddings=model_cfg.max_position_embeddings,
+        pad_token_id=pad_token_id, **overrides)
+    config._attn_implementation = model_cfg.attn_implementation
+    return config
+
+
+def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None):
+    """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig
+    (`config`, when given, instead of one derived from the tokenizer)."""
+    from transformers import AutoModelForSequenceClassification, BertForSequenceClassification
+
+    if config is None:
+        config = model_config(model_cfg, task, len(tokenizer), tokenizer.pad_token_id)
+    if model_cfg.name_or_path:
         auto = RecipeBertForMaskedLM if task.kind == "mlm" else AutoModelForSequenceClassification
         model = auto.from_pretrained(model_cfg.name_or_path, config=config,
                                      attn_implementation=model_cfg.attn_implementation)
-        if len(tokenizer) > model.config.vocab_size:
+        if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                              f"{model.config.vocab_size}: they do not belong together")
     else:
-        config = BertConfig(
-            vocab_size=len(tokenizer), hidden_size=model_cfg.hidden_size,
-            num_hidden_layers=model_cfg.num_hidden_layers, num_attention_heads=model_cfg.num_attention_heads,
-            intermediate_size=model_cfg.intermediate_size,
-            max_position_embeddings=model_cfg.max_position_embeddings,
-            pad_token_id=tokenizer.pad_token_id, **overrides, **labels)
-        config._attn_implementation = model_cfg.attn_implementation
         model = (RecipeBertForMaskedLM if task.kind == "mlm" else BertForSequenceClassification)(config)
     if task.kind == "mlm":
         model.sparse_head = model_cfg.sparse_mlm_head
     if model_cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -103,17 +103,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher: str = "accelerate",
-           timeout: int = 900, env: dict | None = None, backend: str = "ddp", config: Path | None = None) -> dict:
-    """Run train.py as a real multi-process job on CPU, under a row of the backend matrix; return
-    its metrics.json (final, history, config). Each backend kind gets the CPU launch that really
-    engages it (see FEASIBILITY: the obvious ones silently fall back)."""
-    out_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.output_dir=")))
+def launch_script(script: str, args: list[str], nproc: int, launcher: str = "accelerate", timeout: int = 900,
+                  env: dict | None = None, backend: str = "ddp", config: Path | None = None) -> str:
+    """Run a repository script as a real multi-process job on CPU, under a row of the backend
+    matrix; return its output. Each backend kind gets the CPU launch that really engages it (see
+    FEASIBILITY: the obvious ones silently fall back); FSDP goes through tests/fsdp_cpu_harness.py."""
     bin_dir = Path(sys.executable).parent
     row = backend_rows()[backend]
-    script = REPO / ("tests/fsdp_cpu_harness.py" if row["kind"] == "fsdp" else "train.py")
-    args = [str(script)] + (["--recipe", recipe] if recipe else []) + [f"--{o}" for o in overrides]
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if row["kind"] == "fsdp":
+        base_env["HARNESS_SCRIPT"] = script
+        script = "tests/fsdp_cpu_harness.py"
+    args = [str(REPO / script)] + args
     if row["kind"] == "deepspeed":
         base_env.pop("ACCELERATE_USE_CPU", None)
         base_env["DS_ACCELERATOR"] = "cpu"
@@ -143,6 +144,17 @@ def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher
         logs.append(out)
         codes.append(proc.returncode)
     log = "\n".join(logs)
-    (out_dir.parent / f"{out_dir.name}.log").write_text(log)
     assert codes == [0] * len(procs), f"launch failed ({codes}):\n{log[-8000:]}"
+    return log
+
+
+def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher: str = "accelerate",
+           timeout: int = 900, env: dict | None = None, backend: str = "ddp", config: Path | None = None) -> dict:
+    """Run train.py as a real multi-process job on CPU, under a row of the backend matrix; return
+    its metrics.json (final, history, config)."""
+    out_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.output_dir=")))
+    args = (["--recipe", recipe] if recipe else []) + [f"--{o}" for o in overrides]
+    log = launch_script("train.py", args, nproc, launcher=launcher, timeout=timeout, env=env, backend=backend,
+                        config=config)
+    (out_dir.parent / f"{out_dir.name}.log").write_text(log)
     return json.loads((out_dir / "metrics.json").read_text())

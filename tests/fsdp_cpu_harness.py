@@ -8,6 +8,7 @@ unchanged. It lives in tests/, never in train.py.
     ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/fsdp.yaml \
         tests/fsdp_cpu_harness.py --recipe ...
 """
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def _init_with_fsdp_on_cpu(self, *args, **kwargs):
 
 
 Accelerator.__init__ = _init_with_fsdp_on_cpu
-train_py = Path(__file__).resolve().parents[1] / "train.py"
-sys.path.insert(0, str(train_py.parent))
-sys.argv = [str(train_py)] + sys.argv[1:]
-runpy.run_path(str(train_py), run_name="__main__")
+repo = Path(__file__).resolve().parents[1]
+script = repo / os.environ.get("HARNESS_SCRIPT", "train.py")   # e.g. tools/memory.py --measure
+sys.path.insert(0, str(repo))
+sys.argv = [str(script)] + sys.argv[1:]
+runpy.run_path(str(script), run_name="__main__")

@@ -71,18 +71,20 @@ def run_row(row: dict, args, nproc: int, work: Path) -> dict:
     return {"backend": row["name"], "status": "ok", "processes": final["num_processes"],
             "steps_per_s": 1.0 / last["step_time_s"], "tokens_per_s": last.get("padded_tokens_per_sec", float("nan")),
             "peak_gb": "/".join(f"{p:.1f}" for p in peak) if peak else "n/a (CPU)",
+            "predicted_gb": final.get("predicted_peak_memory_gb", float("nan")),
             "first_loss": train[0]["loss"], "last_loss": last["loss"], "wall_s": time.perf_counter() - t0}
 
 
 def table(results: list[dict]) -> str:
-    head = "| backend | processes | steps/s | tokens/s | peak GB per rank | loss first -> last | status |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| backend | processes | steps/s | tokens/s | peak GB per rank | predicted GB (make memory) "
+            "| loss first -> last | status |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['backend']} | | | | | | {r['status']} |")
+            lines.append(f"| {r['backend']} | | | | | | | {r['status']} |")
             continue
         lines.append(f"| {r['backend']} | {r['processes']} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['peak_gb']} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | ok |")
+                     f"{r['peak_gb']} | {r['predicted_gb']:.1f} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | ok |")
     return "\n".join(lines)
 
 

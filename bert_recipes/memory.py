@@ -1,0 +1,441 @@
+"""Memory planner: per-device bytes of a BERT training step, for each backend, before launch.
+
+    peak ~ parameters + gradients + optimizer states + activations + temporary buffers
+
+Model states follow what each backend allocates (torch AdamW keeps two fp32 moments; DeepSpeed's
+ZeRO keeps an fp32 master partition as well, even of an fp32 model). Activations
+are the tensors autograd saves for backward, listed op by op for Hugging Face's BertLayer, which is
+what `measure_activations` counts with `torch.autograd.graph.saved_tensors_hooks`. Existing
+estimators (`accelerate estimate-memory`, DeepSpeed's `estimate_zero*`) stop at model states; for
+BERT at sequence 512 the activations are most of the step.
+
+tests/test_memory.py checks every component against measurement (tensors after a real step with 2
+processes for the ZeRO stages; saved tensors for activations) within 10%. Temporary buffers
+(communication buckets, autocast weight copies, the logits' gradient, ZeRO-3's gathered layer) are
+estimated from the backends' settings; only a GPU allocator can measure them (tools/memory.py
+--measure reports torch.cuda.max_memory_allocated next to the predicted peak).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+GiB = 1024 ** 3
+BACKENDS = ("ddp", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp", "pipeline")
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a BertConfig that decide memory."""
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    max_positions: int = 512
+    type_vocab: int = 2
+    num_labels: int | None = None    # None: masked LM; else a sequence-classification head
+
+    @classmethod
+    def from_config(cls, config, task_kind: str) -> "Shape":
+        return cls(config.vocab_size, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                   config.intermediate_size, config.max_position_embeddings, config.type_vocab_size,
+                   None if task_kind == "mlm" else config.num_labels)
+
+    def param_sizes(self) -> list[int]:
+        """numel of every parameter, in Hugging Face's order (the tied decoder counted once)."""
+        h, i, v = self.hidden, self.intermediate, self.vocab
+        sizes = [v * h, self.max_positions * h, self.type_vocab * h, h, h]          # embeddings + LayerNorm
+        sizes += self.layers * [h * h, h, h * h, h, h * h, h, h * h, h, h, h, h * i, i, i * h, h, h, h]
+        if self.num_labels is None:
+            sizes += [h * h, h, h, h, v]                # transform, its LayerNorm, the vocab bias
+        else:
+            sizes += [h * h, h, self.num_labels * h, self.num_labels]   # pooler, classifier
+        return sizes
+
+    @property
+    def layer_params(self) -> int:
+        h, i = self.hidden, self.intermediate
+        return 4 * (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h   # Q K V O, MLP, 2 LayerNorms
+
+    @property
+    def params(self) -> int:
+        return sum(self.param_sizes())
+
+    @property
+    def small_params(self) -> int:
+        """Parameters ZeRO-3 keeps whole on every rank: those at or below the persistence
+        threshold (stage3_param_persistence_threshold, 10 x hidden as Accelerate sets it)."""
+        return sum(n for n in self.param_sizes() if n <= 10 * self.hidden)
+
+    @property
+    def autocast_cast_params(self) -> int:
+        """Parameters autocast copies to 16 bits each step (linear weights and biases; the MLM
+        decoder is the tied word-embedding matrix)."""
+        h, i = self.hidden, self.intermediate
+        per_layer = 4 * (h * h + h) + (h * i + i) + (i * h + h)
+        head = (h * h + h + self.vocab * h) if self.num_labels is None else (h * h + h + h * self.num_labels + self.num_labels)
+        return self.layers * per_layer + head
+
+
+# ----------------------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class Workload:
+    """What one micro batch looks like to the model."""
+    batch: int
+    seq: int
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    attn_implementation: str = "sdpa"
+    sparse_head: bool = True
+    masked_tokens: int | None = None   # mlm: rows of the sparse head; None: mlm_probability x tokens
+    mlm_probability: float = 0.15
+    padded: bool = False               # some attention_mask zeros (dynamic padding): sdpa gets a mask
+
+    @property
+    def predicted_rows(self) -> int:
+        if not self.sparse_head:
+            return self.batch * self.seq
+        if self.masked_tokens is not None:
+            return self.masked_tokens
+        return math.ceil(self.mlm_probability * self.batch * self.seq)
+
+
+def attention_kernel(work: Workload, device: str, half: bool) -> str:
+    """Which attention the step runs: 'fused' (flash / memory-efficient: saves q, k, v, out and a
+    log-sum-exp) or 'math' (saves the s x s probabilities). On CPU, torch's fused kernel is taken
+    only without attention dropout (measured, torch 2.13); on CUDA, sdpa is fused for any dropout."""
+    if work.attn_implementation == "eager":
+        return "math"
+    if device == "cuda":
+        return "fused"
+    return "fused" if work.attention_dropout == 0 else "math"
+
+
+def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", device: str = "cuda",
+                     checkpointing: bool = False) -> dict[str, int]:
+    """Bytes autograd saves for backward in one forward of one micro batch.
+
+    precision: 'fp32'; 'autocast' (DDP/FSDP mixed precision: fp32 weights, 16-bit matmuls);
+    'half' (a 16-bit model, as DeepSpeed's bf16/fp16 makes it). Returned parts: embeddings,
+    per_layer, layers (all of them, or the stored layer inputs with checkpointing), head, total,
+    and recompute (one layer rebuilt during backward with checkpointing, else 0)."""
+    b, s, h, a, i = work.batch, work.seq, shape.hidden, shape.heads, shape.intermediate
+    tokens, B, Bi, scores = b * s, b * s * shape.hidden, b * s * i, b * a * s * s
+    autocast, half = precision == "autocast", precision == "half"
+    e = 2 if half else 4                    # the model's dtype
+    lin = 2 if autocast else e              # linear inputs and outputs
+    res = 4 if autocast else e              # residual stream and LayerNorm inputs (fp32 + 16-bit -> fp32)
+    stat = 4 if (device == "cuda" or not half) else 2   # LayerNorm mean and rstd
+    p_h, p_a = work.hidden_dropout > 0, work.attention_dropout > 0
+
+    def mask(elements: int, of_bytes: int) -> int:
+        """A dropout mask: bool on CUDA, the input's dtype on CPU."""
+        return elements * (1 if device == "cuda" else of_bytes)
+
+    # --- embeddings: input_ids and token_type_ids (int64) for the lookups, LayerNorm, dropout
+    embeddings = 2 * tokens * 8 + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
+
+    # --- one encoder layer
+    kernel = attention_kernel(work, device, half)
+    qkv_in = (3 if autocast else 1) * B * lin           # autocast casts the input once per linear
+    if kernel == "fused":                               # q, k, v, out; log-sum-exp in fp32
+        attention = 4 * B * lin + b * a * s * 4
+        # The output is laid out (b, s, heads, d): the context is a view of it.
+        context = 0
+    elif work.attn_implementation == "eager":
+        # q and k^T as contiguous copies for the matmul, the probabilities, v; with dropout its
+        # mask and the dropped probabilities. CUDA autocast runs softmax in fp32, then casts the
+        # probabilities back for P @ V.
+        probs = 4 if (autocast and device == "cuda") else lin
+        attention = 3 * B * lin + scores * probs
+        if p_a:
+            attention += mask(scores, probs) + scores * probs
+        if autocast and device == "cuda":
+            attention += scores * lin
+        context = B * lin                               # transpose(1, 2).contiguous()
+    else:
+        # torch's math sdpa (CPU with attention dropout) computes in fp32 whatever the inputs.
+        attention = 3 * B * 4 + scores * 4 + (2 * scores * 4 if p_a else 0)
+        context = B * lin                               # the reshape copy (cast under autocast)
+    layer = (qkv_in + attention + context
+             + (mask(B, lin) if p_h else 0)
+             + B * res + 2 * tokens * stat              # LayerNorm 1
+             + B * lin                                  # -> intermediate
+             + Bi * lin + Bi * lin                      # GELU input, its output -> output projection
+             + (mask(B, lin) if p_h else 0)
+             + B * res + 2 * tokens * stat)             # LayerNorm 2
+    padding_mask = b * s * s * 4 if (work.padded and kernel == "fused") else 0   # one, shared by all layers
+
+    # --- head
+    if shape.num_labels is None:
+        rows = work.predicted_rows
+        R = rows * h
+        ln_in = 4 if (autocast and device == "cuda") else lin   # CUDA autocast runs LayerNorm in fp32
+        head = (R * lin                                 # transform input
+                + R * lin + R * ln_in + 2 * rows * stat  # GELU input, LayerNorm input + stats
+                + R * lin                               # decoder input
+                + rows * shape.vocab * 4                # log-softmax output (the loss is fp32)
+                + rows * 8 + 4)                         # labels, loss
+        if work.sparse_head:
+            head += tokens                              # the bool selection of masked positions
+    else:
+        c = shape.num_labels
+        head = ((b * h * 2) if autocast else (B * e))   # first token: a view keeps the whole output
+        head += b * h * lin + (mask(b * h, lin) + b * h * lin if p_h else 0)   # tanh out, dropout
+        head += (b * 4 * 2) if c == 1 else (b * c * 4 + b * 8)                # loss inputs
+        head += 4
+
+    layers = shape.layers * (B * res if checkpointing else layer)
+    return {"embeddings": embeddings, "per_layer": layer, "layers": layers + padding_mask, "head": head,
+            "total": embeddings + layers + padding_mask + head, "recompute": layer if checkpointing else 0}
+
+
+def workload_of(cfg, config=None, micro_batch: int | None = None, masked_tokens: int | None = None) -> Workload:
+    """The Workload of a recipe (`cfg`: a Config), with the model config's dropout where the
+    recipe keeps the checkpoint's."""
+    m = cfg.model
+    hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else getattr(config, "hidden_dropout_prob", 0.1)
+    attention = (m.attention_probs_dropout_prob if m.attention_probs_dropout_prob is not None
+                 else getattr(config, "attention_probs_dropout_prob", 0.1))
+    return Workload(batch=micro_batch or cfg.train.micro_batch_size, seq=cfg.data.max_seq_length,
+                    hidden_dropout=hidden, attention_dropout=attention, attn_implementation=m.attn_implementation,
+                    sparse_head=m.sparse_mlm_head, masked_tokens=masked_tokens,
+                    mlm_probability=cfg.data.mlm_probability, padded=cfg.task.kind == "classification")
+
+
+# ----------------------------------------------------------------------------- backends
+@dataclass
+class Plan:
+    """Per-device bytes of one backend."""
+    backend: str
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    temporary: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.temporary
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the step runs: world size, precision and the backend's bucket settings."""
+    world: int = 1
+    mixed_precision: str = "no"          # no | bf16 | fp16
+    device: str = "cuda"
+    stages: int = 2                      # pipeline stages
+    micro_batches: int = 1               # pipeline: micro batches per step (the accumulation)
+    reduce_bucket: int | None = None     # DeepSpeed reduce_bucket_size (elements); None: Accelerate's hidden^2
+    prefetch_bucket: int | None = None   # DeepSpeed stage3_prefetch_bucket_size; None: 0.9 hidden^2
+
+
+def backend_name(info: dict) -> str:
+    """The BACKENDS name of what runs, from bert_recipes.backend.describe()."""
+    if "zero_stage" in info:
+        name = f"zero{info['zero_stage']}"
+        return name + "-offload" if info["offload_optimizer"] or info["offload_param"] else name
+    return "fsdp" if "fsdp_version" in info else "ddp"
+
+
+def step_precision(backend: str, mixed_precision: str) -> str:
+    """DeepSpeed runs a 16-bit model ('half'); DDP and FSDP keep fp32 weights under 'autocast'."""
+    if mixed_precision not in ("bf16", "fp16"):
+        return "fp32"
+    return "half" if backend.startswith("zero") or backend == "pipeline" else "autocast"
+
+
+def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
+                 checkpointing: bool = False) -> Plan:
+    """Per-device memory of one training step of `backend` (one of BACKENDS)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend '{backend}' (one of {', '.join(BACKENDS)})")
+    P, n, h = shape.params, launch.world, shape.hidden
+    mixed = launch.mixed_precision in ("bf16", "fp16")
+    precision = step_precision(backend, launch.mixed_precision)
+    k = 2 if precision == "half" else 4               # bytes per parameter and gradient element
+    master = 4 if precision == "half" else 0          # an fp32 copy of 16-bit weights
+    act = activation_bytes(shape, work, precision, launch.device, checkpointing)
+    activations = act["total"] + act["recompute"]
+    # The loss gradient w.r.t. the logits, fp32 and in the logits' dtype, lives at the start of backward.
+    rows = work.predicted_rows if shape.num_labels is None else 0
+    logits_grad = rows * shape.vocab * (4 + (2 if mixed else 4))
+    autocast_copies = shape.autocast_cast_params * 2 if precision == "autocast" else 0
+    reduce_bucket = launch.reduce_bucket or h * h
+    notes = []
+
+    if backend == "ddp":
+        # DDP's buckets hold a second copy of every gradient (gradient_as_bucket_view=False);
+        # a single process runs without DDP.
+        buckets = 4 * P if n > 1 else 0
+        return Plan(backend, 4 * P, 4 * P, 8 * P, activations, buckets + autocast_copies + logits_grad,
+                    ["buckets: a second fp32 copy of the gradients"] if n > 1 else [])
+    if backend in ("zero1", "zero2", "zero2-offload"):
+        shard = math.ceil(P / n)
+        # ZeRO-1/2 clone an fp32 master partition even of an fp32 model (stage_1_and_2.py).
+        optimizer = 0 if backend.endswith("offload") else shard * (4 + 8)
+        # The rank's gradient partition (on CPU when offloaded); ZeRO-1 also holds the full
+        # gradients during backward until it reduces them at the end.
+        gradients = 0 if backend.endswith("offload") else k * shard
+        temporary = 2 * reduce_bucket * k + logits_grad    # overlap_comm: two reduce buckets
+        if backend == "zero1":
+            temporary += k * P
+        if backend.endswith("offload"):
+            notes.append(f"host RAM: {fmt(shard * (4 + 8 + k))} optimizer + gradient partition per rank")
+        return Plan(backend, k * P, gradients, optimizer, activations, temporary, notes)
+    if backend in ("zero3", "zero3-offload"):
+        small = shape.small_params
+        shard = math.ceil(P / n)
+        offload = backend.endswith("offload")
+        parameters = 0 if offload else k * (shard + small)   # small params also stay whole (persistence)
+        # An fp32 master partition always: DeepSpeed 0.19's "share it when already fp32" test
+        # compares a torch.device with a str and never holds.
+        optimizer = 0 if offload else shard * (4 + 8)
+        gradients = 0 if offload else k * shard
+        # Gathered weights: the layer running and the prefetched one, plus the prefetch bucket.
+        gathered = 2 * shape.layer_params * k + (launch.prefetch_bucket or int(0.9 * h * h)) * k
+        temporary = gathered + 2 * reduce_bucket * k + logits_grad
+        if offload:
+            notes.append(f"host RAM: {fmt(shard * (k + 4 + 8 + k) + small * k)} params, optimizer, gradients per rank")
+        return Plan(backend, parameters, gradients, optimizer, activations, temporary, notes)
+    if backend == "fsdp":
+        shard = math.ceil(P / n)
+        # Unsharded: the running layer and the prefetched one (fp32 weights, their gradients once).
+        temporary = 2 * shape.layer_params * 4 + shape.layer_params * 4 + logits_grad
+        if precision == "autocast":
+            temporary += 2 * shape.layer_params * 2   # autocast casts of the gathered layers
+        return Plan(backend, 4 * shard, 4 * shard, 8 * shard, activations, temporary)
+    # pipeline: the largest stage holds ~layers/stages encoder layers plus the embeddings (stage 0).
+    stages = max(1, min(launch.stages, n))
+    stage_layers = math.ceil(shape.layers / stages)
+    embeddings = (shape.vocab + shape.max_positions + shape.type_vocab) * h + 2 * h
+    stage_params = stage_layers * shape.layer_params + embeddings
+    # 1F1B: the first stage holds up to `stages` micro batches in flight.
+    in_flight = min(stages, launch.micro_batches)
+    act_layer = activation_bytes(shape, work, precision, launch.device, checkpointing)
+    stage_acts = in_flight * (act_layer["embeddings"] + stage_layers * (act["layers"] // max(shape.layers, 1)))
+    boundary = 2 * work.batch * work.seq * h * k * in_flight   # activations sent and received
+    return Plan(backend, k * stage_params, k * stage_params, stage_params * (master + 8), stage_acts,
+                boundary, [f"stage 0 of {stages}: {stage_layers} layers + embeddings, {in_flight} micro batches in flight"])
+
+
+def fmt(n_bytes: float) -> str:
+    return f"{n_bytes / GiB:.2f} GiB" if n_bytes >= GiB / 10 else f"{n_bytes / 2 ** 20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------- measurement
+_VIEWS = {"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0", "ExpandBackward0"}
+
+
+def _parameter_origin(t) -> str | None:
+    """'parameter' for a parameter or a view of one (however it is sharded or gathered: FSDP2 and
+    ZeRO-3 swap gathered tensors in during forward); 'cast' for autocast's copy of a parameter (a
+    temporary, not an activation); None for an activation."""
+    if t.is_leaf:
+        return "parameter" if t.requires_grad else None
+    grad_fn, cast = t.grad_fn, False
+    for _ in range(4):
+        if grad_fn is None:
+            return None
+        name = grad_fn.name()
+        if "AccumulateGrad" in name:
+            return "cast" if cast else "parameter"
+        if name == "ToCopyBackward0" and not cast:
+            cast = True
+        elif name not in _VIEWS:
+            return None
+        grad_fn = grad_fn.next_functions[0][0]
+    return None
+
+
+def measure_activations(model, batch: dict, autocast_dtype=None) -> dict[str, int]:
+    """Bytes autograd saves during one forward: every saved tensor's storage counted once,
+    parameters and buffers excluded; autocast's casts of the weights reported apart."""
+    device_type = next(model.parameters()).device.type
+    skip = set(_storages([*model.parameters(), *model.buffers()]))
+    seen: dict[int, tuple[int, bool]] = {}
+
+    def pack(t):
+        origin = _parameter_origin(t)
+        storage = t.untyped_storage()
+        if origin != "parameter" and storage.data_ptr() not in skip and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = (storage.nbytes(), origin == "cast")
+        return t
+
+    autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())   # a prepared model applies its own autocast
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        loss = model(**batch).loss
+    return {"activations": sum(n for n, cast in seen.values() if not cast),
+            "weight_casts": sum(n for n, cast in seen.values() if cast), "loss": loss}
+
+
+def _storages(tensors) -> dict[int, int]:
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and hasattr(t, "to_local"):   # FSDP2: a DTensor's local shard
+            t = t.to_local()
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return out
+
+
+def _flatten(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flatten(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flatten(v)
+
+
+def measure_states(model, optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank, from the tensors
+    themselves (each storage once). Works on the prepared objects of DDP, FSDP and DeepSpeed:
+    ZeRO-3's partitions are `ds_tensor`; ZeRO's gradient partitions and fp32 master partitions
+    are attributes of its optimizer; the torch optimizer inside keeps the moments."""
+    params = list(model.parameters())
+    zero = getattr(model, "optimizer", None) if hasattr(model, "zero_optimization_stage") else None
+    inner = getattr(zero, "optimizer", None) or getattr(optimizer, "optimizer", optimizer)
+    local = [getattr(p, "ds_tensor", None) if getattr(p, "ds_tensor", None) is not None else p for p in params]
+    local += list(_flatten(getattr(zero, "bit16_groups_flat", [])))
+    local += list(_flatten(getattr(zero, "fp16_partitioned_groups_flat", [])))
+    param_bytes = _storages([*params, *local])
+    masters = [p for group in inner.param_groups for p in group["params"]]
+    masters += list(_flatten(getattr(zero, "fp32_partitioned_groups_flat", [])))   # ZeRO-3 swaps them in per step
+    state = list(_flatten([dict(s) for s in inner.state.values()]))
+    optim_bytes = {k: v for k, v in _storages([*masters, *state]).items() if k not in param_bytes}
+    grads = [p.grad for p in params] + [p.grad for p in masters]
+    for name in ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer"):
+        grads += list(_flatten(getattr(zero, name, None)))
+    grad_bytes = {k: v for k, v in _storages(grads).items() if k not in param_bytes and k not in optim_bytes}
+    return {"parameters": sum(param_bytes.values()), "gradients": sum(grad_bytes.values()),
+            "optimizer": sum(optim_bytes.values())}
+
+
+def predict_run(cfg, model_config, info: dict, device: str, ds_config: dict | None = None,
+                masked_tokens: int | None = None) -> Plan:
+    """The plan of a running train.py: its recipe, model and the backend `info` from
+    bert_recipes.backend.describe()."""
+    zero = (ds_config or {}).get("zero_optimization", {})
+    numeric = lambda v: v if isinstance(v, (int, float)) else None   # noqa: E731 ("auto" until filled)
+    launch = Launch(world=info["num_processes"], mixed_precision=info["mixed_precision"], device=device,
+                    reduce_bucket=numeric(zero.get("reduce_bucket_size")),
+                    prefetch_bucket=numeric(zero.get("stage3_prefetch_bucket_size")))
+    return plan_backend(backend_name(info), Shape.from_config(model_config, cfg.task.kind),
+                        workload_of(cfg, model_config, masked_tokens=masked_tokens), launch,
+                        cfg.model.gradient_checkpointing)
+
+
+def describe_plan(plan: Plan) -> str:
+    return (f"params {fmt(plan.parameters)}, grads {fmt(plan.gradients)}, optimizer {fmt(plan.optimizer)}, "
+            f"activations {fmt(plan.activations)}, temporary {fmt(plan.temporary)} = peak {fmt(plan.peak)}")

@@ -1,0 +1,189 @@
+"""The memory planner against measurement: every component within 10%.
+
+- Activations: the planner's op-by-op count against the bytes autograd really saves
+  (saved_tensors_hooks), over model sizes, sequence lengths, batch sizes, precisions, attention
+  kernels, heads, dropout, padding and gradient checkpointing.
+- Parameters, gradients, optimizer states: against the tensors a real step leaves on each rank,
+  with 2 processes under DDP, ZeRO-1/2/3 and FSDP (tools/memory.py --measure under the launcher).
+- The verdict: a plan that does not fit names a change, and with that change the plan fits.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bert_recipes.config import ModelConfig, TaskConfig
+from bert_recipes.memory import Shape, Workload, activation_bytes, measure_activations
+from bert_recipes.modeling import build_model, model_config
+from conftest import REPO, launch_script
+
+TOLERANCE = 0.10
+
+
+def tiny_model(task: str, hidden: int, layers: int, heads: int, seq: int, dropout: float, attn_dropout: float,
+               attn: str = "sdpa", sparse: bool = True, checkpointing: bool = False, num_labels: int = 3):
+    model_cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                            intermediate_size=4 * hidden, max_position_embeddings=max(64, seq),
+                            hidden_dropout_prob=dropout, attention_probs_dropout_prob=attn_dropout,
+                            attn_implementation=attn, sparse_mlm_head=sparse, gradient_checkpointing=checkpointing)
+    task_cfg = TaskConfig(kind=task, num_labels=num_labels)
+    config = model_config(model_cfg, task_cfg, vocab_size=500, pad_token_id=0)
+    return build_model(model_cfg, task_cfg, config=config), config
+
+
+def tiny_batch(task: str, batch: int, seq: int, vocab: int, masked: int, num_labels: int, padded: bool):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padded:
+        mask[0, seq // 2:] = 0
+    out = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    if task == "mlm":
+        labels = torch.full((batch, seq), -100)
+        labels.view(-1)[torch.randperm(batch * seq, generator=gen)[:masked]] = 7
+        out["labels"] = labels
+    else:
+        out["labels"] = torch.rand(batch, generator=gen) if num_labels == 1 else torch.randint(0, num_labels, (batch,))
+    return out
+
+
+# (task, hidden, layers, heads, batch, seq, precision, attn, dropout, attn_dropout, sparse, ckpt, padded, labels)
+CASES = [
+    ("mlm", 32, 2, 2, 4, 32, "fp32", "sdpa", 0.1, 0.1, True, False, False, 3),
+    ("mlm", 64, 2, 4, 2, 64, "fp32", "sdpa", 0.1, 0.1, False, False, False, 3),
+    ("mlm", 128, 3, 4, 8, 32, "fp32", "sdpa", 0.1, 0.0, True, False, False, 3),
+    ("mlm", 64, 2, 4, 1, 128, "fp32", "sdpa", 0.0, 0.0, False, False, False, 3),
+    ("mlm", 64, 2, 4, 4, 64, "fp32", "eager", 0.1, 0.1, True, False, False, 3),
+    ("mlm", 64, 2, 4, 4, 64, "fp32", "eager", 0.0, 0.0, True, False, False, 3),
+    ("mlm", 64, 2, 4, 4, 64, "autocast", "sdpa", 0.1, 0.1, True, False, False, 3),
+    ("mlm", 128, 2, 4, 2, 32, "autocast", "sdpa", 0.1, 0.0, False, False, False, 3),
+    ("mlm", 64, 2, 4, 4, 32, "autocast", "eager", 0.1, 0.1, True, False, False, 3),
+    ("mlm", 64, 2, 4, 4, 64, "half", "sdpa", 0.1, 0.1, True, False, False, 3),
+    ("mlm", 64, 3, 4, 4, 32, "half", "sdpa", 0.1, 0.0, False, False, False, 3),
+    ("mlm", 64, 2, 4, 4, 32, "half", "eager", 0.1, 0.1, True, False, False, 3),
+    ("mlm", 64, 3, 4, 4, 64, "fp32", "sdpa", 0.1, 0.1, True, True, False, 3),
+    ("mlm", 64, 3, 4, 4, 64, "autocast", "sdpa", 0.1, 0.1, True, True, False, 3),
+    ("mlm", 64, 3, 4, 4, 64, "half", "sdpa", 0.0, 0.0, True, True, False, 3),
+    ("classification", 64, 2, 4, 8, 64, "fp32", "sdpa", 0.1, 0.1, True, False, True, 3),
+    ("classification", 64, 2, 4, 8, 64, "fp32", "sdpa", 0.1, 0.0, True, False, True, 3),
+    ("classification", 32, 2, 2, 4, 32, "autocast", "sdpa", 0.1, 0.1, True, False, True, 2),
+    ("classification", 64, 2, 4, 4, 32, "half", "sdpa", 0.1, 0.1, True, False, False, 1),
+    ("classification", 64, 2, 4, 4, 32, "fp32", "eager", 0.0, 0.0, True, False, True, 1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_activation_estimate_matches_saved_tensors(case):
+    task, hidden, layers, heads, batch, seq, precision, attn, p, p_attn, sparse, ckpt, padded, labels = case
+    torch.manual_seed(0)
+    model, config = tiny_model(task, hidden, layers, heads, seq, p, p_attn, attn, sparse, ckpt, labels)
+    if precision == "half":
+        model.to(torch.bfloat16)
+    model.train()
+    masked = math.ceil(0.15 * batch * seq)
+    data = tiny_batch(task, batch, seq, config.vocab_size, masked, labels, padded)
+    got = measure_activations(model, data, torch.bfloat16 if precision == "autocast" else None)
+    work = Workload(batch=batch, seq=seq, hidden_dropout=p, attention_dropout=p_attn, attn_implementation=attn,
+                    sparse_head=sparse, masked_tokens=masked, padded=padded)
+    shape = Shape.from_config(config, task)
+    estimate = activation_bytes(shape, work, precision, "cpu", ckpt)
+    print(f"[activations] {case}: estimate {estimate['total']:,} measured {got['activations']:,}")
+    assert abs(estimate["total"] - got["activations"]) <= TOLERANCE * got["activations"]
+    if precision == "autocast" and not ckpt:   # the weight copies autocast saves are part of the temporary estimate
+        casts = shape.autocast_cast_params * 2
+        assert got["weight_casts"] <= casts <= (1 + TOLERANCE) * got["weight_casts"]
+
+
+def test_checkpointing_rebuilds_one_layer():
+    shape = Shape(vocab=30522, hidden=768, layers=12, heads=12, intermediate=3072)
+    work = Workload(batch=32, seq=512)
+    full = activation_bytes(shape, work, "autocast", "cuda")
+    ckpt = activation_bytes(shape, work, "autocast", "cuda", checkpointing=True)
+    assert ckpt["recompute"] == full["per_layer"] and ckpt["total"] < full["total"] / 4
+
+
+@pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1)])
+def test_parameter_count_is_the_models(task, labels):
+    model, config = tiny_model(task, 64, 2, 4, 32, 0.1, 0.1, num_labels=labels)
+    shape = Shape.from_config(config, task)
+    sizes = [p.numel() for p in model.parameters()]
+    assert sorted(sizes) == sorted(shape.param_sizes())
+    assert shape.small_params == sum(n for n in sizes if n <= 10 * 64)
+
+
+# ----------------------------------------------------------------------------- model states, 2 processes
+STATE_ROWS = [("ddp", "no"), ("zero1", "no"), ("zero2", "no"), ("zero3", "no"), ("fsdp", "no"),
+              ("zero2", "bf16"), ("zero3", "bf16")]
+
+
+@pytest.mark.parametrize("backend,precision", STATE_ROWS, ids=lambda v: v)
+def test_model_states_match_a_real_step(backend, precision, tmp_path):
+    out = tmp_path / "measure.json"
+    args = ["--measure", "--recipe", "recipes/tiny-mlm.yaml", "--out", str(out),
+            "--model.hidden_size=64", "--model.num_hidden_layers=2", "--model.num_attention_heads=4",
+            "--model.intermediate_size=256", "--tokenizer.vocab_size=1000", "--data.max_seq_length=32",
+            "--train.micro_batch_size=4", f"--train.mixed_precision={precision}", f"--run.output_dir={tmp_path}"]
+    log = launch_script("tools/memory.py", args, nproc=2, backend=backend, timeout=600)
+    result = json.loads(out.read_text())
+    print(log[log.find("[memory]"):])
+    expected_backend = "ddp" if backend == "ddp" else backend
+    assert result["backend"] == expected_backend and result["world"] == 2
+    assert len(result["measured_per_rank"]) == 2
+    for rank, measured in enumerate(result["measured_per_rank"]):
+        for key in ("parameters", "gradients", "optimizer", "activations"):
+            estimate = result["estimate"][key]
+            assert abs(measured[key] - estimate) <= TOLERANCE * max(measured[key], 1), (rank, key, measured, estimate)
+    # Sharding shows in the numbers: ZeRO-3 and FSDP hold about half the parameters per rank.
+    if backend in ("zero3", "fsdp"):
+        full = 2 * result["estimate"]["gradients"]   # the rank's gradient shard is half of the full set
+        assert result["measured_per_rank"][0]["parameters"] < 0.6 * full
+
+
+# ----------------------------------------------------------------------------- the planner
+def planner(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/memory.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_planner_table_and_fit_verdict(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = planner("--recipe", "recipes/bert-base-mlm-phase1.yaml", "--world", "8", "--gpu-memory", "24",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    rows = result["backends"]
+    assert set(rows) == {"ddp", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp", "pipeline"}
+    # Sharding order: each ZeRO stage needs less per device than the one before.
+    peak = {b: rows[b]["peak"] for b in rows}
+    assert peak["ddp"] > peak["zero1"] > peak["zero2"] > peak["zero3"] > peak["zero3-offload"]
+    offloaded = rows["zero3-offload"]
+    assert offloaded["parameters"] == offloaded["gradients"] == offloaded["optimizer"] == 0
+    assert all(rows[b]["activations_checkpointed"] < rows[b]["activations"] for b in rows)
+    assert result["verdict"][0].startswith("fits on 24 GiB with ddp at micro batch 32")
+    for name in ("params", "grads", "optimizer", "activations", "act (ckpt)", "temp", "peak"):
+        assert name in proc.stdout
+
+
+def test_planner_names_a_change_that_fits(tmp_path):
+    args = ["--recipe", "recipes/bert-large-mlm.yaml", "--world", "1", "--gpu-memory", "16"]
+    proc = planner(*args, "--config", "accelerate_configs/1gpu.yaml", "--train.micro_batch_size=64",
+                   "--data.max_seq_length=512", "--train.global_batch_size=256")
+    assert proc.returncode == 0, proc.stderr
+    verdict = proc.stdout[proc.stdout.index("verdict:"):]
+    assert "does NOT fit on 16 GiB with ddp at micro batch 64" in verdict
+    assert "cheapest fix: --train.micro_batch_size=" in verdict, verdict
+    micro = verdict.split("--train.micro_batch_size=")[1].split()[0]
+    again = planner(*args, "--config", "accelerate_configs/1gpu.yaml", f"--train.micro_batch_size={micro}",
+                    "--data.max_seq_length=512", "--train.global_batch_size=256")
+    assert f"fits on 16 GiB with ddp at micro batch {micro}" in again.stdout, again.stdout
+
+
+def test_planner_rejects_bad_input():
+    proc = planner("--recipe", "recipes/tiny-mlm.yaml", "--world", "0")
+    assert proc.returncode == 2 and "--world must be at least 1" in proc.stderr
+    proc = planner("--recipe", "recipes/tiny-mlm.yaml", "--model.hidden_sise=3")
+    assert proc.returncode == 2 and "hidden_sise" in proc.stderr
