@@ -82,8 +82,8 @@ allreduce: setup  ## all-reduce bus bandwidth 8 B..1 GiB over NPROC ranks, check
 scaling: setup  ## throughput at 1, 2, 4 ... processes (ARGS="--backend zero2", "--cpu --size tiny"): table + PNG
 	$(PY) tools/scaling.py $(ARGS)
 
-memory: setup  ## will it fit? per-device memory of RECIPE for every backend + verdict (CONFIG=..., ARGS="--world 8 --gpu-memory 24")
-	$(PY) tools/memory.py --recipe $(RECIPE) $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
+memory: setup  ## will it fit? per-device memory of RECIPE for every backend + verdict (CONFIG=..., NPROC=8, ARGS="--gpu-memory 24")
+	$(PY) tools/memory.py --recipe $(RECIPE) $(if $(CONFIG),--config $(CONFIG)) $(if $(NPROC),--world $(NPROC)) $(ARGS)
 
 gpu-check: setup  ## every backend row for a few steps on the GPUs present: steps/s, peak memory, loss (ARGS="--rows ddp,zero2")
 	$(PY) tools/gpu_check.py $(ARGS)

@@ -46,16 +46,27 @@ class Shape:
                    config.intermediate_size, config.max_position_embeddings, config.type_vocab_size,
                    None if task_kind == "mlm" else config.num_labels)
 
-    def param_sizes(self) -> list[int]:
-        """numel of every parameter, in Hugging Face's order (the tied decoder counted once)."""
+    def parameters(self) -> list[tuple[int, bool]]:
+        """(numel, is a matrix) of every parameter in Hugging Face's order, the tied decoder once."""
         h, i, v = self.hidden, self.intermediate, self.vocab
-        sizes = [v * h, self.max_positions * h, self.type_vocab * h, h, h]          # embeddings + LayerNorm
-        sizes += self.layers * [h * h, h, h * h, h, h * h, h, h * h, h, h, h, h * i, i, i * h, h, h, h]
-        if self.num_labels is None:
-            sizes += [h * h, h, h, h, v]                # transform, its LayerNorm, the vocab bias
-        else:
-            sizes += [h * h, h, self.num_labels * h, self.num_labels]   # pooler, classifier
-        return sizes
+        out = [(v * h, True), (self.max_positions * h, True), (self.type_vocab * h, True), (h, False), (h, False)]
+        layer = [(h * h, True), (h, False)] * 4 + [(h, False), (h, False), (h * i, True), (i, False),
+                                                    (i * h, True), (h, False), (h, False), (h, False)]
+        out += self.layers * layer
+        if self.num_labels is None:   # the vocab bias, transform, its LayerNorm
+            out += [(v, False), (h * h, True), (h, False), (h, False), (h, False)]
+        else:                         # pooler, classifier
+            out += [(h * h, True), (h, False), (self.num_labels * h, True), (self.num_labels, False)]
+        return out
+
+    def param_sizes(self) -> list[int]:
+        return [n for n, _ in self.parameters()]
+
+    def optimizer_groups(self) -> list[list[int]]:
+        """Parameter sizes of the optimizer's two groups, in order (bert_recipes.optim: matrices
+        decay, vectors do not)."""
+        params = self.parameters()
+        return [[n for n, matrix in params if matrix], [n for n, matrix in params if not matrix]]
 
     @property
     def layer_params(self) -> int:
@@ -144,7 +155,9 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
     kernel = attention_kernel(work, device, half)
     qkv_in = (3 if autocast else 1) * B * lin           # autocast casts the input once per linear
     if kernel == "fused":                               # q, k, v, out; log-sum-exp in fp32
-        attention = 4 * B * lin + b * a * s * 4
+        # fp32 on CUDA runs the memory-efficient kernel, whose log-sum-exp pads s to a multiple of 32.
+        lse_len = math.ceil(s / 32) * 32 if (device == "cuda" and lin == 4) else s
+        attention = 4 * B * lin + b * a * lse_len * 4
         # The output is laid out (b, s, heads, d): the context is a view of it.
         context = 0
     elif work.attn_implementation == "eager":
@@ -169,7 +182,10 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
              + Bi * lin + Bi * lin                      # GELU input, its output -> output projection
              + (mask(B, lin) if p_h else 0)
              + B * res + 2 * tokens * stat)             # LayerNorm 2
-    padding_mask = b * s * s * 4 if (work.padded and kernel == "fused") else 0   # one, shared by all layers
+    # With padding, HF passes one bool (b, 1, s, s) mask; a fused sdpa converts it on every call into
+    # an additive mask in the query's dtype and saves that copy (the math path adds it and saves nothing).
+    if work.padded and kernel == "fused":
+        layer += b * s * (math.ceil(s / 8) * 8 if device == "cuda" else s) * lin
 
     # --- head
     if shape.num_labels is None:
@@ -191,8 +207,10 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
         head += 4
 
     layers = shape.layers * (B * res if checkpointing else layer)
-    return {"embeddings": embeddings, "per_layer": layer, "layers": layers + padding_mask, "head": head,
-            "total": embeddings + layers + padding_mask + head, "recompute": layer if checkpointing else 0}
+    if checkpointing and work.padded:   # the checkpoints also keep HF's mask, an input of every layer
+        layers += b * s * s * (1 if work.attn_implementation == "sdpa" else e)
+    return {"embeddings": embeddings, "per_layer": layer, "layers": layers, "head": head,
+            "total": embeddings + layers + head, "recompute": layer if checkpointing else 0}
 
 
 def workload_of(cfg, config=None, micro_batch: int | None = None, masked_tokens: int | None = None) -> Workload:
@@ -281,10 +299,16 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
         shard = math.ceil(P / n)
         # ZeRO-1/2 clone an fp32 master partition even of an fp32 model (stage_1_and_2.py).
         optimizer = 0 if backend.endswith("offload") else shard * (4 + 8)
-        # The rank's gradient partition (on CPU when offloaded); ZeRO-1 also holds the full
-        # gradients during backward until it reduces them at the end.
-        gradients = 0 if backend.endswith("offload") else k * shard
-        temporary = 2 * reduce_bucket * k + logits_grad    # overlap_comm: two reduce buckets
+        # The rank's gradient partition (on CPU when offloaded). ZeRO-2's buffer holds every
+        # parameter that overlaps the partition in full, so a boundary inside the word embeddings
+        # costs a rank up to a whole embedding matrix. ZeRO-1 holds the full gradients during
+        # backward until it reduces them at the end.
+        if backend == "zero1":
+            gradients = k * shard
+        else:
+            gradients = 0 if backend.endswith("offload") else k * zero2_grad_partition(shape.optimizer_groups(), n)
+        # overlap_comm: two reduce buckets; the step casts the gradient shard to fp32.
+        temporary = 2 * reduce_bucket * k + logits_grad + (4 * shard if k == 2 else 0)
         if backend == "zero1":
             temporary += k * P
         if backend.endswith("offload"):
@@ -322,8 +346,25 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
     act_layer = activation_bytes(shape, work, precision, launch.device, checkpointing)
     stage_acts = in_flight * (act_layer["embeddings"] + stage_layers * (act["layers"] // max(shape.layers, 1)))
     boundary = 2 * work.batch * work.seq * h * k * in_flight   # activations sent and received
-    return Plan(backend, k * stage_params, k * stage_params, stage_params * (master + 8), stage_acts,
+    # bf16 pipelines run DeepSpeed's BF16_Optimizer: fp32 gradient accumulation, fp32 master.
+    return Plan(backend, k * stage_params, 4 * stage_params, stage_params * (master + 8), stage_acts,
                 boundary, [f"stage 0 of {stages}: {stage_layers} layers + embeddings, {in_flight} micro batches in flight"])
+
+
+def zero2_grad_partition(groups: list[list[int]], world: int) -> int:
+    """Elements of the largest ZeRO-2 gradient buffer over the ranks: per optimizer group, the
+    flat group (padded to 2 x world) is cut into equal partitions, and a rank's buffer sums the
+    full size of every parameter overlapping its partition (stage_1_and_2.py)."""
+    per_rank = [0] * world
+    for sizes in groups:
+        padded = math.ceil(sum(sizes) / (2 * world)) * 2 * world
+        part, start = padded // world, 0
+        for n in sizes:
+            for rank in range(world):
+                if start < (rank + 1) * part and start + n > rank * part:
+                    per_rank[rank] += n
+            start += n
+    return max(per_rank)
 
 
 def fmt(n_bytes: float) -> str:

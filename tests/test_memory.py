@@ -16,9 +16,10 @@ import sys
 import pytest
 import torch
 
-from bert_recipes.config import ModelConfig, TaskConfig
+from bert_recipes.config import ModelConfig, OptimConfig, TaskConfig
 from bert_recipes.memory import Shape, Workload, activation_bytes, measure_activations
 from bert_recipes.modeling import build_model, model_config
+from bert_recipes.optim import build_optimizer
 from conftest import REPO, launch_script
 
 TOLERANCE = 0.10
@@ -70,6 +71,8 @@ CASES = [
     ("mlm", 64, 3, 4, 4, 64, "half", "sdpa", 0.0, 0.0, True, True, False, 3),
     ("classification", 64, 2, 4, 8, 64, "fp32", "sdpa", 0.1, 0.1, True, False, True, 3),
     ("classification", 64, 2, 4, 8, 64, "fp32", "sdpa", 0.1, 0.0, True, False, True, 3),
+    ("classification", 64, 3, 4, 8, 48, "autocast", "sdpa", 0.1, 0.0, True, False, True, 3),
+    ("classification", 64, 3, 4, 4, 64, "fp32", "sdpa", 0.1, 0.0, True, True, True, 3),
     ("classification", 32, 2, 2, 4, 32, "autocast", "sdpa", 0.1, 0.1, True, False, True, 2),
     ("classification", 64, 2, 4, 4, 32, "half", "sdpa", 0.1, 0.1, True, False, False, 1),
     ("classification", 64, 2, 4, 4, 32, "fp32", "eager", 0.0, 0.0, True, False, True, 1),
@@ -111,27 +114,32 @@ def test_parameter_count_is_the_models(task, labels):
     model, config = tiny_model(task, 64, 2, 4, 32, 0.1, 0.1, num_labels=labels)
     shape = Shape.from_config(config, task)
     sizes = [p.numel() for p in model.parameters()]
-    assert sorted(sizes) == sorted(shape.param_sizes())
+    assert sizes == shape.param_sizes()
+    assert [p.numel() for group in build_optimizer(model, OptimConfig()).param_groups for p in group["params"]] \
+        == [n for group in shape.optimizer_groups() for n in group]
     assert shape.small_params == sum(n for n in sizes if n <= 10 * 64)
 
 
 # ----------------------------------------------------------------------------- model states, 2 processes
-STATE_ROWS = [("ddp", "no"), ("zero1", "no"), ("zero2", "no"), ("zero3", "no"), ("fsdp", "no"),
-              ("zero2", "bf16"), ("zero3", "bf16")]
+# (backend, precision, hidden, layers, seq, micro batch)
+STATE_ROWS = [("ddp", "no", 64, 2, 32, 4), ("zero1", "no", 64, 2, 32, 4), ("zero2", "no", 64, 2, 32, 4),
+              ("zero3", "no", 64, 2, 32, 4), ("fsdp", "no", 64, 2, 32, 4), ("zero2", "bf16", 64, 2, 32, 4),
+              ("zero3", "bf16", 64, 2, 32, 4), ("ddp", "bf16", 128, 2, 64, 2), ("zero2", "no", 128, 3, 64, 2),
+              ("zero3", "no", 32, 1, 32, 8)]
 
 
-@pytest.mark.parametrize("backend,precision", STATE_ROWS, ids=lambda v: v)
-def test_model_states_match_a_real_step(backend, precision, tmp_path):
+@pytest.mark.parametrize("row", STATE_ROWS, ids=lambda r: "-".join(map(str, r)))
+def test_model_states_match_a_real_step(row, tmp_path):
+    backend, precision, hidden, layers, seq, micro = row
     out = tmp_path / "measure.json"
     args = ["--measure", "--recipe", "recipes/tiny-mlm.yaml", "--out", str(out),
-            "--model.hidden_size=64", "--model.num_hidden_layers=2", "--model.num_attention_heads=4",
-            "--model.intermediate_size=256", "--tokenizer.vocab_size=1000", "--data.max_seq_length=32",
-            "--train.micro_batch_size=4", f"--train.mixed_precision={precision}", f"--run.output_dir={tmp_path}"]
+            f"--model.hidden_size={hidden}", f"--model.num_hidden_layers={layers}", "--model.num_attention_heads=4",
+            f"--model.intermediate_size={4 * hidden}", "--tokenizer.vocab_size=1000", f"--data.max_seq_length={seq}",
+            f"--train.micro_batch_size={micro}", f"--train.mixed_precision={precision}", f"--run.output_dir={tmp_path}"]
     log = launch_script("tools/memory.py", args, nproc=2, backend=backend, timeout=600)
     result = json.loads(out.read_text())
     print(log[log.find("[memory]"):])
-    expected_backend = "ddp" if backend == "ddp" else backend
-    assert result["backend"] == expected_backend and result["world"] == 2
+    assert result["backend"] == backend and result["world"] == 2
     assert len(result["measured_per_rank"]) == 2
     for rank, measured in enumerate(result["measured_per_rank"]):
         for key in ("parameters", "gradients", "optimizer", "activations"):

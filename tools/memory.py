@@ -56,6 +56,16 @@ def recipe_shape(cfg) -> tuple[Shape, str | None]:
 
 
 # ----------------------------------------------------------------------------- plan
+def config_world(path: str) -> int:
+    """num_processes of an accelerate YAML (all machines together)."""
+    import yaml
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"--config {path}: {err.strerror}")
+    return int(config.get("num_processes", 1))
+
+
 def fits(plan, memory: float) -> bool:
     return plan.peak + CONTEXT_RESERVE <= memory
 
@@ -159,6 +169,10 @@ def measure(args, cfg) -> dict:
     from bert_recipes.modeling import build_model, model_config
     from bert_recipes.optim import build_optimizer
 
+    from bert_recipes.backend import read_launch_plan
+    if read_launch_plan().pipeline:
+        raise ConfigError("--measure runs the Accelerate backends (DDP, ZeRO, FSDP); the pipeline engine is not "
+                          "measured (its row in the plan is a first-order estimate)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world
     out_dir = Path(cfg.run.output_dir)
@@ -256,8 +270,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--config", help="accelerate YAML: the backend of the verdict (default: ddp)")
-    parser.add_argument("--world", type=int, default=int(os.environ.get("NPROC", 0) or 1) or 1,
-                        help="devices (all machines together)")
+    parser.add_argument("--world", type=int, help="devices, all machines together (default: the --config's "
+                        "num_processes, else 1)")
     parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per device (default: this GPU's, else 24)")
     parser.add_argument("--precision", choices=["no", "bf16", "fp16"], help="default: the recipe's")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -270,6 +284,8 @@ def main(argv=None) -> int:
         if args.measure:
             measure(args, cfg)
             return 0
+        if args.world is None:
+            args.world = config_world(args.config) if args.config else 1
         if args.world < 1:
             raise ConfigError(f"--world must be at least 1, got {args.world}")
         if args.gpu_memory is None:
