@@ -46,17 +46,23 @@ class Shape:
                    config.intermediate_size, config.max_position_embeddings, config.type_vocab_size,
                    None if task_kind == "mlm" else config.num_labels)
 
-    def parameters(self) -> list[tuple[int, bool]]:
-        """(numel, is a matrix) of every parameter in Hugging Face's order, the tied decoder once."""
-        h, i, v = self.hidden, self.intermediate, self.vocab
-        out = [(v * h, True), (self.max_positions * h, True), (self.type_vocab * h, True), (h, False), (h, False)]
-        layer = [(h * h, True), (h, False)] * 4 + [(h, False), (h, False), (h * i, True), (i, False),
-                                                    (i * h, True), (h, False), (h, False), (h, False)]
-        out += self.layers * layer
+    def _layer(self) -> list[tuple[int, str]]:
+        h, i = self.hidden, self.intermediate
+        attention = [(h * h, "weight"), (h, "bias")] * 4                     # Q, K, V, output projection
+        mlp = [(h * i, "weight"), (i, "bias"), (i * h, "weight"), (h, "bias")]
+        return attention + [(h, "norm"), (h, "norm")] + mlp + [(h, "norm"), (h, "norm")]
+
+    def parameters(self) -> list[tuple[int, str]]:
+        """(numel, kind) of every parameter in Hugging Face's order, the tied decoder once; kind is
+        'embedding', 'weight' / 'bias' (of a linear layer), 'norm' (LayerNorm) or 'vocab_bias'."""
+        h, v = self.hidden, self.vocab
+        out = [(v * h, "embedding"), (self.max_positions * h, "embedding"), (self.type_vocab * h, "embedding"),
+               (h, "norm"), (h, "norm")]
+        out += self.layers * self._layer()
         if self.num_labels is None:   # the vocab bias, transform, its LayerNorm
-            out += [(v, False), (h * h, True), (h, False), (h, False), (h, False)]
+            out += [(v, "vocab_bias"), (h * h, "weight"), (h, "bias"), (h, "norm"), (h, "norm")]
         else:                         # pooler, classifier
-            out += [(h * h, True), (h, False), (self.num_labels * h, True), (self.num_labels, False)]
+            out += [(h * h, "weight"), (h, "bias"), (self.num_labels * h, "weight"), (self.num_labels, "bias")]
         return out
 
     def param_sizes(self) -> list[int]:
@@ -66,12 +72,12 @@ class Shape:
         """Parameter sizes of the optimizer's two groups, in order (bert_recipes.optim: matrices
         decay, vectors do not)."""
         params = self.parameters()
-        return [[n for n, matrix in params if matrix], [n for n, matrix in params if not matrix]]
+        matrix = ("embedding", "weight")
+        return [[n for n, kind in params if kind in matrix], [n for n, kind in params if kind not in matrix]]
 
     @property
     def layer_params(self) -> int:
-        h, i = self.hidden, self.intermediate
-        return 4 * (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h   # Q K V O, MLP, 2 LayerNorms
+        return sum(n for n, _ in self._layer())
 
     @property
     def params(self) -> int:
@@ -85,12 +91,10 @@ class Shape:
 
     @property
     def autocast_cast_params(self) -> int:
-        """Parameters autocast copies to 16 bits each step (linear weights and biases; the MLM
-        decoder is the tied word-embedding matrix)."""
-        h, i = self.hidden, self.intermediate
-        per_layer = 4 * (h * h + h) + (h * i + i) + (i * h + h)
-        head = (h * h + h + self.vocab * h) if self.num_labels is None else (h * h + h + h * self.num_labels + self.num_labels)
-        return self.layers * per_layer + head
+        """Parameters autocast copies to 16 bits each step: the linear layers' weights and biases,
+        and the MLM decoder (the tied word-embedding matrix)."""
+        linear = sum(n for n, kind in self.parameters() if kind in ("weight", "bias"))
+        return linear + (self.vocab * self.hidden if self.num_labels is None else 0)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -116,7 +120,7 @@ class Workload:
         return math.ceil(self.mlm_probability * self.batch * self.seq)
 
 
-def attention_kernel(work: Workload, device: str, half: bool) -> str:
+def attention_kernel(work: Workload, device: str) -> str:
     """Which attention the step runs: 'fused' (flash / memory-efficient: saves q, k, v, out and a
     log-sum-exp) or 'math' (saves the s x s probabilities). On CPU, torch's fused kernel is taken
     only without attention dropout (measured, torch 2.13); on CUDA, sdpa is fused for any dropout."""
@@ -131,8 +135,8 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
                      checkpointing: bool = False) -> dict[str, int]:
     """Bytes autograd saves for backward in one forward of one micro batch.
 
-    precision: 'fp32'; 'autocast' (DDP/FSDP mixed precision: fp32 weights, 16-bit matmuls);
-    'half' (a 16-bit model, as DeepSpeed's bf16/fp16 makes it). Returned parts: embeddings,
+    precision: 'fp32'; 'autocast' (DDP mixed precision: fp32 weights, 16-bit matmuls); 'half'
+    (a 16-bit model, as DeepSpeed's bf16/fp16 makes it and FSDP2 gathers it). Returned parts: embeddings,
     per_layer, layers (all of them, or the stored layer inputs with checkpointing), head, total,
     and recompute (one layer rebuilt during backward with checkpointing, else 0)."""
     b, s, h, a, i = work.batch, work.seq, shape.hidden, shape.heads, shape.intermediate
@@ -152,7 +156,7 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
     embeddings = 2 * tokens * 8 + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
 
     # --- one encoder layer
-    kernel = attention_kernel(work, device, half)
+    kernel = attention_kernel(work, device)
     qkv_in = (3 if autocast else 1) * B * lin           # autocast casts the input once per linear
     if kernel == "fused":                               # q, k, v, out; log-sum-exp in fp32
         # fp32 on CUDA runs the memory-efficient kernel, whose log-sum-exp pads s to a multiple of 32.
@@ -251,6 +255,7 @@ class Launch:
     device: str = "cuda"
     stages: int = 2                      # pipeline stages
     micro_batches: int = 1               # pipeline: micro batches per step (the accumulation)
+    pipeline_zero: int = 1               # pipeline: the JSON's ZeRO stage (0 or 1)
     reduce_bucket: int | None = None     # DeepSpeed reduce_bucket_size (elements); None: Accelerate's hidden^2
     prefetch_bucket: int | None = None   # DeepSpeed stage3_prefetch_bucket_size; None: 0.9 hidden^2
 
@@ -264,10 +269,12 @@ def backend_name(info: dict) -> str:
 
 
 def step_precision(backend: str, mixed_precision: str) -> str:
-    """DeepSpeed runs a 16-bit model ('half'); DDP and FSDP keep fp32 weights under 'autocast'."""
+    """How a mixed-precision step computes: DDP keeps fp32 weights under 'autocast'; DeepSpeed
+    runs a 16-bit model, and Accelerate's FSDP2 gathers 16-bit weights (MixedPrecisionPolicy), so
+    both compute as a 'half' model (measured: the same saved tensors)."""
     if mixed_precision not in ("bf16", "fp16"):
         return "fp32"
-    return "half" if backend.startswith("zero") or backend == "pipeline" else "autocast"
+    return "autocast" if backend == "ddp" else "half"
 
 
 def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
@@ -279,7 +286,6 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
     mixed = launch.mixed_precision in ("bf16", "fp16")
     precision = step_precision(backend, launch.mixed_precision)
     k = 2 if precision == "half" else 4               # bytes per parameter and gradient element
-    master = 4 if precision == "half" else 0          # an fp32 copy of 16-bit weights
     act = activation_bytes(shape, work, precision, launch.device, checkpointing)
     activations = act["total"] + act["recompute"]
     # The loss gradient w.r.t. the logits, fp32 and in the logits' dtype, lives at the start of backward.
@@ -312,7 +318,7 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
         if backend == "zero1":
             temporary += k * P
         if backend.endswith("offload"):
-            notes.append(f"host RAM: {fmt(shard * (4 + 8 + k))} optimizer + gradient partition per rank")
+            notes.append(f"host RAM: {fmt(shard * 16)} fp32 gradient partition, master and moments per rank")
         return Plan(backend, k * P, gradients, optimizer, activations, temporary, notes)
     if backend in ("zero3", "zero3-offload"):
         small = shape.small_params
@@ -327,28 +333,42 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
         gathered = 2 * shape.layer_params * k + (launch.prefetch_bucket or int(0.9 * h * h)) * k
         temporary = gathered + 2 * reduce_bucket * k + logits_grad
         if offload:
-            notes.append(f"host RAM: {fmt(shard * (k + 4 + 8 + k) + small * k)} params, optimizer, gradients per rank")
+            notes.append(f"host RAM: {fmt(shard * (k + 16))} params, fp32 gradients, master and moments per rank")
         return Plan(backend, parameters, gradients, optimizer, activations, temporary, notes)
     if backend == "fsdp":
+        # fp32 shards of weights, gradients and moments; unsharded while they run: the layer running
+        # and the prefetched one (in the compute dtype), and one layer's gradients before the
+        # reduce-scatter.
         shard = math.ceil(P / n)
-        # Unsharded: the running layer and the prefetched one (fp32 weights, their gradients once).
-        temporary = 2 * shape.layer_params * 4 + shape.layer_params * 4 + logits_grad
-        if precision == "autocast":
-            temporary += 2 * shape.layer_params * 2   # autocast casts of the gathered layers
+        temporary = 2 * shape.layer_params * k + shape.layer_params * 4 + logits_grad
         return Plan(backend, 4 * shard, 4 * shard, 8 * shard, activations, temporary)
-    # pipeline: the largest stage holds ~layers/stages encoder layers plus the embeddings (stage 0).
+    # pipeline: stages x data-parallel replicas. The first stage holds the embeddings and, in 1F1B,
+    # up to `stages` micro batches in flight; the last holds the head, the tied copy of the word
+    # embeddings (the MLM decoder) and one micro batch. The larger of the two decides.
     stages = max(1, min(launch.stages, n))
-    stage_layers = math.ceil(shape.layers / stages)
+    replicas = max(1, n // stages)
+    per_stage = math.ceil(shape.layers / stages)
     embeddings = (shape.vocab + shape.max_positions + shape.type_vocab) * h + 2 * h
-    stage_params = stage_layers * shape.layer_params + embeddings
-    # 1F1B: the first stage holds up to `stages` micro batches in flight.
+    head = P - embeddings - shape.layers * shape.layer_params
+    first = embeddings + per_stage * shape.layer_params
+    last = per_stage * shape.layer_params + head + (shape.vocab * h if shape.num_labels is None else 0)
+    stage_params = P if stages == 1 else max(first, last)
     in_flight = min(stages, launch.micro_batches)
-    act_layer = activation_bytes(shape, work, precision, launch.device, checkpointing)
-    stage_acts = in_flight * (act_layer["embeddings"] + stage_layers * (act["layers"] // max(shape.layers, 1)))
+    layer_act = act["layers"] // shape.layers
+    first_acts = in_flight * (act["embeddings"] + per_stage * layer_act)
+    last_acts = per_stage * layer_act + act["head"]
+    activations = (max(first_acts, last_acts) if stages > 1 else act["total"]) + act["recompute"]
     boundary = 2 * work.batch * work.seq * h * k * in_flight   # activations sent and received
-    # bf16 pipelines run DeepSpeed's BF16_Optimizer: fp32 gradient accumulation, fp32 master.
-    return Plan(backend, k * stage_params, 4 * stage_params, stage_params * (master + 8), stage_acts,
-                boundary, [f"stage 0 of {stages}: {stage_layers} layers + embeddings, {in_flight} micro batches in flight"])
+    shard = math.ceil(stage_params / replicas)
+    notes = [f"{stages} stages x {replicas} replicas; the largest stage holds {fmt(k * stage_params)} of weights, "
+             f"{in_flight} micro batches in flight on the first"]
+    if launch.pipeline_zero >= 1:   # ZeRO-1 over the replicas (ds_configs/pipeline.json), as zero1 above
+        return Plan(backend, k * stage_params, k * shard, shard * (4 + 8), activations,
+                    boundary + k * stage_params + logits_grad, notes)
+    # Without ZeRO: torch AdamW on fp32 weights, or DeepSpeed's BF16_Optimizer (fp32 gradient
+    # accumulation, fp32 master and moments partitioned over the replicas).
+    optimizer = 8 * stage_params if precision == "fp32" else shard * 12
+    return Plan(backend, k * stage_params, 4 * stage_params, optimizer, activations, boundary + logits_grad, notes)
 
 
 def zero2_grad_partition(groups: list[list[int]], world: int) -> int:

@@ -192,6 +192,7 @@ def train_pipeline(cfg: Config, plan, build_data, build_model_fn, build_optimize
     from .checkpoint import resolve_resume, save_checkpoint
     from .config import flat_dict, grad_accum_steps, to_yaml
     from .logs import plot_curves, write_metrics
+    from .perf import DataLoaderWatch, flops_per_token, peak_flops
 
     t_start = time.perf_counter()
     deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo")
@@ -224,6 +225,12 @@ def train_pipeline(cfg: Config, plan, build_data, build_model_fn, build_optimize
     if not hasattr(model, "bert"):
         raise ConfigError("the pipeline path builds BERT models only (model_type bert)")
     full_param_numel = sum(p.numel() for p in model.parameters())
+    mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
+    flops_token = flops_per_token(model.config, cfg.data.max_seq_length, mlm_fraction)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    peak, peak_source = peak_flops(device, cfg.train.mixed_precision)
+    print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
+           f"({peak_source}); a pipeline's MFU counts every device, idle bubbles included")
     specs, names = layer_specs(model, cfg.task.kind)
     loss_fn = mlm_loss if cfg.task.kind == "mlm" else classification_loss(cfg.task.num_labels)
     net = PipelineModule(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method=partition)
@@ -285,12 +292,18 @@ def train_pipeline(cfg: Config, plan, build_data, build_model_fn, build_optimize
         state = json.loads((checkpoint / "train_state.json").read_text())
         print0(f"[resume] from {checkpoint} at step {state['step']}")
 
+    data_wait = [0.0]   # seconds this rank's engine spent waiting for the loader (first and last stage read it)
+
     def batches(epoch: int, skip: int):
         sampler.set_epoch(epoch)
         collate.epoch = epoch
-        for i, batch in enumerate(loader):
+        it = iter(loader)
+        for i in range(len(loader)):
+            t0 = time.perf_counter()
+            batch = next(it)
             if i < skip:
                 continue
+            data_wait[0] += time.perf_counter() - t0
             inputs = (batch["input_ids"], batch["attention_mask"],
                       batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
             yield inputs, batch["labels"]
@@ -306,6 +319,7 @@ def train_pipeline(cfg: Config, plan, build_data, build_model_fn, build_optimize
                         lambda path: engine.save_checkpoint(path, tag="engine"), is_main, dist.barrier)
 
     engine.train()
+    watch = DataLoaderWatch(cfg.logging.dataloader_warn_share)
     window_t0, window_losses, window_samples, window_tokens = time.perf_counter(), [], 0, 0
     while state["step"] < stop_at:
         epoch = state["step"] // steps_per_epoch
@@ -323,15 +337,24 @@ def train_pipeline(cfg: Config, plan, build_data, build_model_fn, build_optimize
                        "loss": sum(window_losses) / len(window_losses), "lr": engine.get_lr()[0],
                        "grad_norm": float(engine.get_global_grad_norm() or float("nan")),
                        "samples_per_sec": window_samples / elapsed, "padded_tokens_per_sec": window_tokens / elapsed,
-                       "step_time_s": elapsed / len(window_losses)}
+                       "step_time_s": elapsed / len(window_losses), "data_wait_share": data_wait[0] / elapsed}
+                row["mfu"] = flops_token * row["padded_tokens_per_sec"] / (peak * world)
+                _, warning = watch.verdict(row["data_wait_share"], len(window_losses), elapsed)
+                if warning:
+                    print0(warning)
                 state["history"]["train"].append(row)
                 print0(f"[train] step {step}/{total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
-                       f"| {row['samples_per_sec']:.1f} samples/s {row['step_time_s'] * 1000:.0f} ms/step")
+                       f"| {row['padded_tokens_per_sec']:.0f} padded tok/s {row['samples_per_sec']:.1f} samples/s "
+                       f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
+                       f"data-wait {row['data_wait_share']:.0%} (rank 0)")
                 window_t0, window_losses, window_samples, window_tokens = time.perf_counter(), [], 0, 0
+                data_wait[0] = 0.0
+            t_aside = time.perf_counter()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total_steps:
                 run_eval()
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total_steps:
                 checkpoint_now()
+            window_t0 += time.perf_counter() - t_aside   # eval and checkpoints are not training time
             if step >= stop_at:
                 break
 

@@ -33,10 +33,23 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(runs, sample_dir, datasets_cache, shared_tokenizer):
-    out = runs / "ddp"
-    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="ddp")
-    return out, metrics
+def row_run(runs, sample_dir, datasets_cache, shared_tokenizer):
+    """run(name) -> (out, metrics): the row's 16-step run, launched once per module, by whichever
+    test needs it first (so a resume or export test selected alone still has its row)."""
+    done = {}
+
+    def run(name: str):
+        if name not in done:
+            out = runs / name
+            done[name] = out, launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)),
+                                     backend=name)
+        return done[name]
+    return run
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(row_run):
+    return row_run("ddp")
 
 
 def history(out: Path) -> dict:
@@ -81,10 +94,8 @@ def test_ddp_reference_is_healthy(ddp_reference):
     ("zero3", 3, True, False),
     ("zero3-offload", 3, True, True),
 ])
-def test_deepspeed_rows(name, stage, sharded, offload, runs, ddp_reference, sample_dir, datasets_cache,
-                        shared_tokenizer):
-    out = runs / name
-    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend=name)
+def test_deepspeed_rows(name, stage, sharded, offload, row_run, ddp_reference):
+    out, metrics = row_run(name)
     assert_healthy(metrics, "DistributedType.DEEPSPEED")
     backend = metrics["final"]["backend"]
     assert backend["zero_stage"] == stage and backend["params_sharded"] is sharded, backend
@@ -126,28 +137,25 @@ def test_zero3_nvme_row(runs, ddp_reference, tmp_path, sample_dir, datasets_cach
     assert_matches_ddp(out, ddp_reference[0])
 
 
-def test_fsdp_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
-    out = runs / "fsdp"
-    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="fsdp")
+def test_fsdp_row(row_run, ddp_reference):
+    out, metrics = row_run("fsdp")
     assert_healthy(metrics, "DistributedType.FSDP")
     backend = metrics["final"]["backend"]
     assert backend["params_sharded"] and backend["local_param_numel"] <= 0.6 * backend["full_param_numel"], backend
     assert_matches_ddp(out, ddp_reference[0])
 
 
-def test_multinode_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
+def test_multinode_row(row_run, ddp_reference):
     """2 "machines" x 1 process on 127.0.0.1, machine_rank 0 and 1."""
-    out = runs / "multinode"
-    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="multinode")
+    out, metrics = row_run("multinode")
     assert_healthy(metrics, "DistributedType.MULTI_CPU")
     assert_matches_ddp(out, ddp_reference[0])
 
 
-def test_pipeline_row(runs, ddp_reference, sample_dir, datasets_cache, shared_tokenizer):
+def test_pipeline_row(row_run, ddp_reference):
     """2 stages x 1 replica. Each rank owns one stage's layers only; the word embeddings and the
     MLM decoder stay one tied weight across the two stages; same batches as DDP, so same losses."""
-    out = runs / "pipeline"
-    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="pipeline")
+    out, metrics = row_run("pipeline")
     final = metrics["final"]
     backend = final["backend"]
     assert final["num_processes"] == 2 and backend["pipeline_stages"] == 2 and backend["data_parallel_size"] == 1
@@ -155,6 +163,7 @@ def test_pipeline_row(runs, ddp_reference, sample_dir, datasets_cache, shared_to
     assert all(r["local_param_numel"] < backend["full_param_numel"] for r in backend["ranks"]), backend
     losses = [r["loss"] for r in metrics["history"]["train"]]
     assert losses[-1] < losses[0] - 0.3, losses
+    assert all(0 < r["mfu"] < 1 and 0 <= r["data_wait_share"] < 1 for r in metrics["history"]["train"])
     assert final["eval_samples"] == final["eval_dataset_size"]
     assert_matches_ddp(out, ddp_reference[0])
     from transformers import AutoModelForMaskedLM
@@ -180,12 +189,10 @@ def test_pipeline_classification_and_data_parallel(runs, ddp_reference, tmp_path
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp", "pipeline"])
-def test_sharded_resume_equals_uninterrupted(name, runs, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+def test_sharded_resume_equals_uninterrupted(name, row_run, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """Halt at step 8 (after its checkpoint), resume from the sharded checkpoint, finish at 16:
     the weights equal the uninterrupted run of the same row (tolerance 1e-6)."""
-    full = runs / name
-    if not (full / "model/model.safetensors").exists():
-        pytest.skip(f"needs the {name} row to have run")
+    full, _ = row_run(name)
     args = tiny_args(tmp_path / "split", sample_dir, datasets_cache, **common(shared_tokenizer))
     halted = launch(2, args + ["train.halt_at_step=8"], backend=name)
     assert halted["final"] == {"steps": 8, "halted": True}
@@ -201,12 +208,11 @@ def test_sharded_resume_equals_uninterrupted(name, runs, tmp_path, sample_dir, d
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_sharded_export_fine_tunes_under_ddp(name, runs, ddp_reference, tmp_path, sample_dir, datasets_cache):
+def test_sharded_export_fine_tunes_under_ddp(name, row_run, runs, ddp_reference, tmp_path, sample_dir,
+                                             datasets_cache):
     """The export holds full weights: plain from_pretrained loads it, and a DDP run fine-tunes it."""
     from transformers import AutoModelForMaskedLM
-    export = runs / name / "model"
-    if not (export / "model.safetensors").exists():
-        pytest.skip(f"needs the {name} row to have run")
+    export = row_run(name)[0] / "model"
     model = AutoModelForMaskedLM.from_pretrained(export)
     reference = AutoModelForMaskedLM.from_pretrained(runs / "ddp/model")
     assert model.state_dict().keys() == reference.state_dict().keys()

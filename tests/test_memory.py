@@ -96,17 +96,12 @@ def test_activation_estimate_matches_saved_tensors(case):
     estimate = activation_bytes(shape, work, precision, "cpu", ckpt)
     print(f"[activations] {case}: estimate {estimate['total']:,} measured {got['activations']:,}")
     assert abs(estimate["total"] - got["activations"]) <= TOLERANCE * got["activations"]
+    # Tighter than the 10% asked for: the count is op by op, so a missing term (a dropout mask,
+    # a cast) shows; only a regression head's loss inputs differ, by a few bytes.
+    assert abs(estimate["total"] - got["activations"]) <= 16, (estimate["total"], got["activations"])
     if precision == "autocast" and not ckpt:   # the weight copies autocast saves are part of the temporary estimate
         casts = shape.autocast_cast_params * 2
         assert got["weight_casts"] <= casts <= (1 + TOLERANCE) * got["weight_casts"]
-
-
-def test_checkpointing_rebuilds_one_layer():
-    shape = Shape(vocab=30522, hidden=768, layers=12, heads=12, intermediate=3072)
-    work = Workload(batch=32, seq=512)
-    full = activation_bytes(shape, work, "autocast", "cuda")
-    ckpt = activation_bytes(shape, work, "autocast", "cuda", checkpointing=True)
-    assert ckpt["recompute"] == full["per_layer"] and ckpt["total"] < full["total"] / 4
 
 
 @pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1)])
@@ -124,7 +119,7 @@ def test_parameter_count_is_the_models(task, labels):
 # (backend, precision, hidden, layers, seq, micro batch)
 STATE_ROWS = [("ddp", "no", 64, 2, 32, 4), ("zero1", "no", 64, 2, 32, 4), ("zero2", "no", 64, 2, 32, 4),
               ("zero3", "no", 64, 2, 32, 4), ("fsdp", "no", 64, 2, 32, 4), ("zero2", "bf16", 64, 2, 32, 4),
-              ("zero3", "bf16", 64, 2, 32, 4), ("ddp", "bf16", 128, 2, 64, 2), ("zero2", "no", 128, 3, 64, 2),
+              ("zero3", "bf16", 64, 2, 32, 4), ("fsdp", "bf16", 64, 2, 32, 4), ("ddp", "bf16", 128, 2, 64, 2), ("zero2", "no", 128, 3, 64, 2),
               ("zero3", "no", 32, 1, 32, 8)]
 
 
@@ -145,10 +140,11 @@ def test_model_states_match_a_real_step(row, tmp_path):
         for key in ("parameters", "gradients", "optimizer", "activations"):
             estimate = result["estimate"][key]
             assert abs(measured[key] - estimate) <= TOLERANCE * max(measured[key], 1), (rank, key, measured, estimate)
-    # Sharding shows in the numbers: ZeRO-3 and FSDP hold about half the parameters per rank.
+    # Sharding shows in the numbers: ZeRO-3 and FSDP hold about half the parameter bytes per rank.
     if backend in ("zero3", "fsdp"):
-        full = 2 * result["estimate"]["gradients"]   # the rank's gradient shard is half of the full set
-        assert result["measured_per_rank"][0]["parameters"] < 0.6 * full
+        bytes_per_param = 2 if (precision == "bf16" and backend == "zero3") else 4
+        full = result["full_param_numel"] * bytes_per_param
+        assert all(m["parameters"] < 0.6 * full for m in result["measured_per_rank"]), (full, result)
 
 
 # ----------------------------------------------------------------------------- the planner
@@ -171,27 +167,96 @@ def test_planner_table_and_fit_verdict(tmp_path):
     offloaded = rows["zero3-offload"]
     assert offloaded["parameters"] == offloaded["gradients"] == offloaded["optimizer"] == 0
     assert all(rows[b]["activations_checkpointed"] < rows[b]["activations"] for b in rows)
-    assert result["verdict"][0].startswith("fits on 24 GiB with ddp at micro batch 32")
-    for name in ("params", "grads", "optimizer", "activations", "act (ckpt)", "temp", "peak"):
-        assert name in proc.stdout
+    assert result["verdict"][0].startswith("fits on 24 GiB with ddp at micro batch 32: needs")
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("backend"))
+    assert header.split() == ["backend", "params", "grads", "optimizer", "activations", "act", "(ckpt)", "temp",
+                              "peak", "peak", "(ckpt)"]
 
 
-def test_planner_names_a_change_that_fits(tmp_path):
-    args = ["--recipe", "recipes/bert-large-mlm.yaml", "--world", "1", "--gpu-memory", "16"]
-    proc = planner(*args, "--config", "accelerate_configs/1gpu.yaml", "--train.micro_batch_size=64",
-                   "--data.max_seq_length=512", "--train.global_batch_size=256")
+def suggestion_fits(args: list[str], change: str) -> str:
+    """Apply the verdict's change (an override or a backend switch) and plan again."""
+    if change.startswith("switch to "):
+        name = change.split()[2].replace("-", "_")
+        args = args + ["--config", f"accelerate_configs/{name}.yaml"]
+    else:
+        args = args + [change.split()[0]]
+    again = planner(*args)
+    assert again.returncode == 0, again.stderr
+    return again.stdout[again.stdout.index("verdict:"):]
+
+
+@pytest.mark.parametrize("setting, expected", [
+    # one 16 GiB GPU at sequence 512: a smaller micro batch with more accumulation
+    (["--config", "accelerate_configs/1gpu.yaml", "--gpu-memory", "16", "--train.micro_batch_size=64",
+      "--data.max_seq_length=512", "--train.global_batch_size=256"], "--train.micro_batch_size="),
+    # 8 GPUs under DDP at 10 GiB: sharding the optimizer states is enough
+    (["--config", "accelerate_configs/8gpu.yaml", "--gpu-memory", "10"], "switch to zero1"),
+])
+def test_planner_names_a_change_that_fits(setting, expected):
+    args = ["--recipe", "recipes/bert-large-mlm.yaml"] + setting
+    proc = planner(*args)
     assert proc.returncode == 0, proc.stderr
     verdict = proc.stdout[proc.stdout.index("verdict:"):]
-    assert "does NOT fit on 16 GiB with ddp at micro batch 64" in verdict
-    assert "cheapest fix: --train.micro_batch_size=" in verdict, verdict
-    micro = verdict.split("--train.micro_batch_size=")[1].split()[0]
-    again = planner(*args, "--config", "accelerate_configs/1gpu.yaml", f"--train.micro_batch_size={micro}",
-                    "--data.max_seq_length=512", "--train.global_batch_size=256")
-    assert f"fits on 16 GiB with ddp at micro batch {micro}" in again.stdout, again.stdout
+    assert "does NOT fit on" in verdict, verdict
+    change = verdict.split("cheapest fix: ")[1].split(":")[0]
+    assert change.startswith(expected), verdict
+    assert "verdict: fits on" in suggestion_fits(args, change)
 
 
-def test_planner_rejects_bad_input():
+def test_planner_suggests_checkpointing_when_the_micro_batch_cannot_shrink(tmp_path):
+    """Micro batch 1 per rank: only checkpointing (or ZeRO-3) is left; memory set between the two."""
+    args = ["--recipe", "recipes/bert-large-mlm.yaml", "--config", "accelerate_configs/zero2.yaml",
+            "--data.max_seq_length=512", "--train.micro_batch_size=1", "--train.global_batch_size=8"]
+    assert planner(*args, "--gpu-memory", "80", "--out", str(tmp_path / "p.json")).returncode == 0
+    row = json.loads((tmp_path / "p.json").read_text())["backends"]["zero2"]
+    memory = (row["peak"] + row["peak_checkpointed"]) / 2 / 2 ** 30 + 1   # + the CUDA context reserve
+    proc = planner(*args, "--gpu-memory", f"{memory:.3f}")
+    verdict = proc.stdout[proc.stdout.index("verdict:"):]
+    assert "does NOT fit" in verdict and "cheapest fix: --model.gradient_checkpointing=true" in verdict, verdict
+    assert "verdict: fits on" in suggestion_fits(args + ["--gpu-memory", f"{memory:.3f}"],
+                                                 "--model.gradient_checkpointing=true")
+
+
+def test_planner_uses_the_recipes_checkpointing():
+    args = ["--recipe", "recipes/bert-large-mlm.yaml", "--config", "accelerate_configs/1gpu.yaml", "--gpu-memory",
+            "16", "--data.max_seq_length=512", "--train.micro_batch_size=32", "--train.global_batch_size=256"]
+    off, on = planner(*args), planner(*args, "--model.gradient_checkpointing=true")
+    assert "does NOT fit" in off.stdout and "fits on 16 GiB with ddp at micro batch 32 with checkpointing" in on.stdout
+
+
+def test_planner_runs_every_recipe_on_every_launch_config(capsys):
+    """Each recipe x accelerate config plans, or stops with a config error (batch arithmetic that
+    train.py would refuse, a model that an earlier recipe writes): never a traceback."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import memory as tool
+    planned = set()
+    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
+        for config in sorted((REPO / "accelerate_configs").glob("*.yaml")):
+            rc = tool.main(["--recipe", str(recipe), "--config", str(config), "--gpu-memory", "80"])
+            err = capsys.readouterr().err
+            if rc == 0:
+                planned.add(recipe.name)
+            else:   # the two refusals train.py itself would give
+                assert rc == 2 and ("not divisible" in err or "does not exist yet" in err), (recipe.name, config.name, err)
+    # every recipe plans somewhere; chained ones once their model exists (here: a fresh-model override)
+    chained = {"tiny-classify.yaml", "bert-base-mlm-phase2.yaml"}
+    assert planned | chained == {r.name for r in (REPO / "recipes").glob("*.yaml")}, planned
+    for name in chained:
+        assert tool.main(["--recipe", str(REPO / "recipes" / name), "--model.name_or_path=null"]) == 0
+
+
+def test_planner_rejects_bad_input(tmp_path):
     proc = planner("--recipe", "recipes/tiny-mlm.yaml", "--world", "0")
     assert proc.returncode == 2 and "--world must be at least 1" in proc.stderr
     proc = planner("--recipe", "recipes/tiny-mlm.yaml", "--model.hidden_sise=3")
     assert proc.returncode == 2 and "hidden_sise" in proc.stderr
+    proc = planner("--recipe", "recipes/tiny-mlm.yaml", "--gpu-memory", "-1")
+    assert proc.returncode == 2 and "--gpu-memory must be positive" in proc.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("distributed_type: [DEEPSPEED\n")
+    proc = planner("--recipe", "recipes/tiny-mlm.yaml", "--config", str(broken))
+    assert proc.returncode == 2 and "is not valid YAML" in proc.stderr
+    proc = planner("--recipe", "recipes/tiny-classify.yaml", "--model.name_or_path=runs/missing/model")
+    assert proc.returncode == 2 and "does not exist yet" in proc.stderr
+    proc = planner("--recipe", "recipes/tiny-mlm.yaml", "--world", "3")
+    assert proc.returncode == 2 and "not divisible" in proc.stderr

@@ -53,6 +53,8 @@ def run_row(row: dict, args, nproc: int, work: Path) -> dict:
                  f"--data.max_seq_length={args.seq}", f"--model.max_position_embeddings={max(512, args.seq)}",
                  f"--train.micro_batch_size={args.micro}", f"--train.global_batch_size={args.micro * nproc}"]
     overrides += [f"--model.{k}={v}" for k, v in SIZES[args.size].items()]
+    if getattr(args, "tokenizer", None):   # every row after the first: the same vocabulary, no retraining
+        overrides.append(f"--tokenizer.name_or_path={args.tokenizer}")
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(REPO / config),
            "--num_processes", str(nproc)]
     if row["kind"] == "multinode":   # one node here: the same config as a single machine
@@ -64,6 +66,7 @@ def run_row(row: dict, args, nproc: int, work: Path) -> dict:
     if proc.returncode != 0:
         last = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()][-1:]
         return {"backend": row["name"], "status": f"FAILED ({last[0][:80] if last else proc.returncode})"}
+    args.tokenizer = getattr(args, "tokenizer", None) or str(out_dir / "tokenizer")
     m = json.loads((out_dir / "metrics.json").read_text())
     final, train = m["final"], m["history"]["train"]
     last = train[-1]
@@ -76,7 +79,7 @@ def run_row(row: dict, args, nproc: int, work: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| backend | processes | steps/s | tokens/s | peak GB per rank | predicted GB (make memory) "
+    head = ("| backend | processes | steps/s | tokens/s | peak GB per rank | predicted GB (planner) "
             "| loss first -> last | status |")
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -88,19 +91,24 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", help="comma-separated backend names (default: all)")
+def add_run_arguments(parser, work: str, cpu_help: str) -> None:
+    """The arguments run_row reads (shared with tools/scaling.py)."""
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", choices=sorted(SIZES), default="base")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro", type=int, default=32)
     parser.add_argument("--precision", default=None, help="default: bf16 on GPU, no on CPU")
-    parser.add_argument("--nproc", type=int, help="default: all GPUs (2 with --cpu)")
-    parser.add_argument("--cpu", action="store_true", help="run on 2 CPU processes (FSDP rows are skipped)")
-    parser.add_argument("--work", default="runs/gpu_check")
-    parser.add_argument("--out", help="also write the table (markdown) to this file")
+    parser.add_argument("--cpu", action="store_true", help=cpu_help)
+    parser.add_argument("--work", default=work)
     parser.add_argument("--timeout", type=int, default=1800)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", help="comma-separated backend names (default: all)")
+    add_run_arguments(parser, work="runs/gpu_check", cpu_help="run on 2 CPU processes (FSDP rows are skipped)")
+    parser.add_argument("--nproc", type=int, help="default: all GPUs (2 with --cpu)")
+    parser.add_argument("--out", help="also write the table (markdown) to this file")
     args = parser.parse_args()
     import torch
     if not args.cpu and not torch.cuda.is_available():

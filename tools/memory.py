@@ -24,138 +24,190 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bert_recipes.config import ConfigError, load_config   # noqa: E402
+from bert_recipes.config import ConfigError, grad_accum_steps, load_config   # noqa: E402
 from bert_recipes.memory import (BACKENDS, GiB, Launch, Shape, activation_bytes, backend_name, fmt,  # noqa: E402
                                  measure_activations, measure_states, plan_backend, predict_run, step_precision,
                                  workload_of)
 
 CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: not usable by tensors
-BACKEND_OF_CONFIG = {"8gpu": "ddp", "4gpu": "ddp", "2gpu": "ddp", "1gpu": "ddp", "cpu": "ddp", "multinode": "ddp",
-                     "fsdp": "fsdp", "zero1": "zero1", "zero2": "zero2", "zero2_offload": "zero2-offload",
-                     "zero3": "zero3", "zero3_offload": "zero3-offload", "zero3_nvme": "zero3-offload",
-                     "pipeline": "pipeline"}
 
 
 def recipe_shape(cfg) -> tuple[Shape, str | None]:
     """The model's shape: the checkpoint's config if it can be read (local directory or the Hub
-    cache), else the recipe's model fields (BERT-base unless changed) with a note."""
+    cache), else, for a Hub name, the recipe's model fields (BERT-base unless changed) with a note."""
     from bert_recipes.modeling import model_config
+    name = cfg.model.name_or_path
     try:
         config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
         return Shape.from_config(config, cfg.task.kind), None
     except (OSError, ValueError) as err:
-        fresh = replace(cfg.model, name_or_path=None)
-        config = model_config(fresh, cfg.task, cfg.tokenizer.vocab_size, 0)
-        note = (f"could not read {cfg.model.name_or_path}'s config ({type(err).__name__}); "
-                f"assuming the recipe's model fields: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+        if name.startswith(("/", ".", "~")) or name.count("/") >= 2:   # a local path, not a Hub id
+            raise ConfigError(f"model.name_or_path={name} does not exist yet: a run writes it when it exports "
+                              "its model (runs/<name>/model comes from recipes/<name>.yaml). Run that recipe first, "
+                              "or plan the shape with --model.name_or_path=null and the --model.* fields")
+        config = model_config(replace(cfg.model, name_or_path=None), cfg.task, cfg.tokenizer.vocab_size, 0)
+        note = (f"assumed shape: could not read {name}'s config offline ({type(err).__name__}), so the recipe's "
+                f"model fields are used: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
                 f"vocab {config.vocab_size}")
         return Shape.from_config(config, cfg.task.kind), note
 
 
-# ----------------------------------------------------------------------------- plan
-def config_world(path: str) -> int:
-    """num_processes of an accelerate YAML (all machines together)."""
-    import yaml
+# ----------------------------------------------------------------------------- the launch config
+def _numeric(value):
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def read_launch_config(path: str | None, world: int | None, device: str | None, precision: str) -> tuple[str, Launch]:
+    """The backend, world size, device and DeepSpeed settings an accelerate YAML (and the JSON it
+    names) would run; without a YAML, DDP on one CUDA device."""
+    if path is None:
+        return "ddp", Launch(world=world or 1, mixed_precision=precision, device=device or "cuda")
     try:
         config = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as err:
         raise ConfigError(f"--config {path}: {err.strerror}")
-    return int(config.get("num_processes", 1))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path} is not valid YAML: {err}")
+    if not isinstance(config, dict):
+        raise ConfigError(f"--config {path} is not an accelerate config (expected a mapping)")
+    kind = str(config.get("distributed_type", "NO")).upper()
+    world = world or int(config.get("num_processes", 1))
+    device = device or ("cpu" if config.get("use_cpu") else "cuda")
+    backend, ds = "ddp", {}
+    if kind == "DEEPSPEED":
+        ds_file = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        if ds_file:
+            ds_path = Path(ds_file) if Path(ds_file).exists() else REPO / ds_file
+            try:
+                ds = json.loads(ds_path.read_text())
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"--config {path}: cannot read its DeepSpeed JSON {ds_file}: {err}")
+        zero = ds.get("zero_optimization", {})
+        stage = int(zero.get("stage", 0))
+        offload = any((zero.get(k) or {}).get("device", "none") in ("cpu", "nvme")
+                      for k in ("offload_optimizer", "offload_param"))
+        if "pipeline" in ds:
+            backend = "pipeline"
+        elif stage in (2, 3):
+            backend = f"zero{stage}" + ("-offload" if offload else "")
+        elif stage == 1:
+            backend = "zero1"
+    elif kind == "FSDP":
+        backend = "fsdp"
+    zero = ds.get("zero_optimization", {})
+    return backend, Launch(world=world, mixed_precision=precision, device=device,
+                           stages=int(ds.get("pipeline", {}).get("stages", 2)),
+                           pipeline_zero=int(zero.get("stage", 1)) if "pipeline" in ds else 1,
+                           reduce_bucket=_numeric(zero.get("reduce_bucket_size")),
+                           prefetch_bucket=_numeric(zero.get("stage3_prefetch_bucket_size")))
 
 
-def fits(plan, memory: float) -> bool:
-    return plan.peak + CONTEXT_RESERVE <= memory
+# ----------------------------------------------------------------------------- plan
+def replicas(backend: str, launch: Launch) -> int:
+    """Data-parallel ranks: all devices, or devices / stages under the pipeline."""
+    return max(1, launch.world // launch.stages) if backend == "pipeline" else launch.world
+
+
+def plan_for(backend: str, shape: Shape, cfg, launch: Launch, micro: int, checkpointing: bool):
+    accum = max(1, cfg.train.global_batch_size // (micro * replicas(backend, launch)))
+    return plan_backend(backend, shape, workload_of(cfg, micro_batch=micro), replace(launch, micro_batches=accum),
+                        checkpointing)
+
+
+def need(plan) -> int:
+    return plan.peak + CONTEXT_RESERVE
 
 
 def largest_micro_batch(backend, shape, cfg, launch, memory, checkpointing) -> int | None:
-    """The largest micro batch (a divisor of the per-rank global batch, so accumulation makes up
-    the rest) whose step fits."""
-    per_rank = max(1, cfg.train.global_batch_size // launch.world)
-    for micro in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
-        if fits(plan_backend(backend, shape, workload_of(cfg, micro_batch=micro), launch, checkpointing), memory):
+    """The largest micro batch (a divisor of the per-replica global batch, so accumulation makes
+    up the rest) whose step fits."""
+    per_replica = max(1, cfg.train.global_batch_size // replicas(backend, launch))
+    for micro in sorted((d for d in range(1, per_replica + 1) if per_replica % d == 0), reverse=True):
+        if need(plan_for(backend, shape, cfg, launch, micro, checkpointing)) <= memory:
             return micro
     return None
 
 
 def verdict(backend: str, shape: Shape, cfg, launch: Launch, memory: float) -> list[str]:
-    micro = cfg.train.micro_batch_size
-    gb = f"{memory / GiB:.0f} GiB"
-    work = workload_of(cfg)
-    mine = plan_backend(backend, shape, work, launch)
-    lines = []
-    if fits(mine, memory):
-        best = largest_micro_batch(backend, shape, cfg, launch, memory, False)
-        lines.append(f"fits on {gb} with {backend} at micro batch {micro}: peak {fmt(mine.peak)} "
-                     f"(+{fmt(CONTEXT_RESERVE)} CUDA context)" + (f"; up to micro batch {best} fits" if best and best > micro else ""))
-        for other in ("ddp", "zero2", "zero3"):
-            p = plan_backend(other, shape, work, launch)
-            if other != backend:
-                lines.append(f"  {other} needs {fmt(p.peak + CONTEXT_RESERVE)}")
+    """One line on the launch config's backend, then either the other backends' needs or the
+    cheapest change that fits."""
+    micro, ckpt = cfg.train.micro_batch_size, cfg.model.gradient_checkpointing
+    where = f"on {memory / GiB:g} GiB with {backend} at micro batch {micro}" + (" with checkpointing" if ckpt else "")
+    mine = plan_for(backend, shape, cfg, launch, micro, ckpt)
+    if need(mine) <= memory:
+        best = largest_micro_batch(backend, shape, cfg, launch, memory, ckpt)
+        lines = [f"fits {where}: needs {fmt(need(mine))}" + (f"; up to micro batch {best} fits" if best and best > micro else "")]
+        lines += [f"  {other} needs {fmt(need(plan_for(other, shape, cfg, launch, micro, ckpt)))}"
+                  for other in ("ddp", "zero2", "zero3") if other != backend]
         return lines
-    lines.append(f"does NOT fit on {gb} with {backend} at micro batch {micro}: needs {fmt(mine.peak + CONTEXT_RESERVE)}")
-    # Cheapest first: sharding optimizer/gradients costs ~nothing in speed, a smaller micro batch
-    # (accumulation keeps the global batch) a little, checkpointing ~30% more compute, ZeRO-3 extra
-    # all-gathers, offload PCIe traffic.
+    lines = [f"does NOT fit {where}: needs {fmt(need(mine))}"]
+    # Cheapest first: sharding optimizer states and gradients costs ~nothing in speed, a smaller
+    # micro batch (accumulation keeps the global batch) a little, checkpointing ~30% more compute,
+    # ZeRO-3 extra all-gathers, offload PCIe traffic.
     options = []
-    order = ["zero1", "zero2"] if backend in ("ddp", "zero1") and launch.world > 1 else []
-    for other in order:
-        if other != backend:
-            options.append((f"switch to {other} (same speed, shards the optimizer states"
-                            + (" and gradients" if other == "zero2" else "") + ")", other, micro, False))
-    smaller = largest_micro_batch(backend, shape, cfg, launch, memory, False)
+    if backend in ("ddp", "zero1") and launch.world > 1:
+        options += [(f"switch to {o} (same speed: shards the optimizer states" + (" and gradients)" if o == "zero2" else ")"),
+                     o, micro, ckpt) for o in ("zero1", "zero2") if o != backend]
+    smaller = largest_micro_batch(backend, shape, cfg, launch, memory, ckpt)
     if smaller:
-        accum = cfg.train.global_batch_size // (smaller * launch.world)
+        accum = cfg.train.global_batch_size // (smaller * replicas(backend, launch))
         options.append((f"--train.micro_batch_size={smaller} (accumulation {accum} keeps global batch "
-                        f"{cfg.train.global_batch_size})", backend, smaller, False))
-    options.append(("--model.gradient_checkpointing=true (~30% more compute)", backend, micro, True))
-    for other in ("zero3", "zero3-offload"):
-        if other != backend:
-            options.append((f"switch to {other}", other, micro, False))
-    for text, other, mb, ckpt in options:
-        p = plan_backend(other, shape, workload_of(cfg, micro_batch=mb), launch, ckpt)
-        if fits(p, memory):
-            lines.append(f"cheapest fix: {text}: peak {fmt(p.peak)}")
-            return lines
-    lines.append("no single change fits: combine gradient checkpointing with ZeRO-3 offload, or use more devices")
-    return lines
+                        f"{cfg.train.global_batch_size})", backend, smaller, ckpt))
+    if not ckpt:
+        text = ("pipeline.activation_checkpoint_interval: 1 in the DeepSpeed JSON" if backend == "pipeline"
+                else "--model.gradient_checkpointing=true (~30% more compute)")
+        options.append((text, backend, micro, True))
+    options += [(f"switch to {o}", o, micro, ckpt) for o in ("zero3", "zero3-offload")
+                if o != backend and (o == "zero3-offload" or launch.world > 1)]
+    for text, other, mb, with_ckpt in options:
+        plan = plan_for(other, shape, cfg, launch, mb, with_ckpt)
+        if need(plan) <= memory:
+            return lines + [f"cheapest fix: {text}: needs {fmt(need(plan))}"]
+    return lines + ["no single change fits: combine gradient checkpointing with ZeRO-3 offload, or use more devices"]
 
 
 def print_plan(args, cfg) -> dict:
     shape, note = recipe_shape(cfg)
-    stages = json.loads((REPO / "ds_configs/pipeline.json").read_text())["pipeline"]["stages"]
-    launch = Launch(world=args.world, mixed_precision=args.precision or cfg.train.mixed_precision,
-                    device=args.device, stages=stages, micro_batches=max(1, cfg.train.global_batch_size
-                                                          // (cfg.train.micro_batch_size * args.world)))
+    backend, launch = read_launch_config(args.config, args.world, args.device,
+                                         args.precision or cfg.train.mixed_precision)
+    grad_accum_steps(cfg.train, replicas(backend, launch))   # the batch arithmetic train.py will insist on
     memory = args.gpu_memory * GiB
-    work = workload_of(cfg)
-    print(f"{Path(args.recipe).name}: {shape.params / 1e6:.1f}M parameters, micro batch {work.batch} x seq "
-          f"{work.seq}, {launch.world} devices, precision {launch.mixed_precision}, device memory {args.gpu_memory:g} GiB")
+    micro, ckpt = cfg.train.micro_batch_size, cfg.model.gradient_checkpointing
+    print(f"{Path(args.recipe).name}: {shape.params / 1e6:.1f}M parameters, micro batch {micro} x seq "
+          f"{cfg.data.max_seq_length}, {launch.world} x {launch.device} devices, precision {launch.mixed_precision}, "
+          f"gradient checkpointing {'on' if ckpt else 'off'}; device memory {args.gpu_memory:g} GiB of which "
+          f"{fmt(CONTEXT_RESERVE)} is kept for the CUDA context")
     if note:
         print(f"note: {note}")
     head = ["backend", "params", "grads", "optimizer", "activations", "act (ckpt)", "temp", "peak", "peak (ckpt)", ""]
     rows, out = [], {}
-    for backend in BACKENDS:
-        p = plan_backend(backend, shape, work, launch)
-        c = plan_backend(backend, shape, work, launch, checkpointing=True)
-        mark = "fits" if fits(p, memory) else ("fits w/ ckpt" if fits(c, memory) else "OOM")
-        rows.append([backend, fmt(p.parameters), fmt(p.gradients), fmt(p.optimizer), fmt(p.activations),
+    for name in BACKENDS:
+        p = plan_for(name, shape, cfg, launch, micro, ckpt)
+        c = plan_for(name, shape, cfg, launch, micro, True)
+        mark = "fits" if need(p) <= memory else ("fits w/ ckpt" if need(c) <= memory else "OOM")
+        if name == "pipeline" and launch.world < 2:
+            mark = "needs 2+ devices"
+        rows.append([name, fmt(p.parameters), fmt(p.gradients), fmt(p.optimizer), fmt(p.activations),
                      fmt(c.activations), fmt(p.temporary), fmt(p.peak), fmt(c.peak), mark])
-        out[backend] = {"parameters": p.parameters, "gradients": p.gradients, "optimizer": p.optimizer,
-                        "activations": p.activations, "activations_checkpointed": c.activations,
-                        "temporary": p.temporary, "peak": p.peak, "peak_checkpointed": c.peak, "notes": p.notes}
+        out[name] = {"parameters": p.parameters, "gradients": p.gradients, "optimizer": p.optimizer,
+                     "activations": p.activations, "activations_checkpointed": c.activations,
+                     "temporary": p.temporary, "peak": p.peak, "peak_checkpointed": c.peak, "notes": p.notes}
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     for r in [head] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
-    for backend in BACKENDS:
-        for n in out[backend]["notes"]:
-            print(f"  {backend}: {n}")
-    chosen = BACKEND_OF_CONFIG.get(Path(args.config).stem, "ddp") if args.config else "ddp"
-    lines = verdict(chosen, shape, cfg, launch, memory)
+    for name in BACKENDS:
+        for line in out[name]["notes"]:
+            print(f"  {name}: {line}")
+    lines = verdict(backend, shape, cfg, launch, memory)
+    if note:
+        lines[0] += " (assumed shape)"
     print("verdict: " + "\n".join(lines))
-    return {"backends": out, "verdict": lines, "chosen": chosen}
+    return {"backends": out, "verdict": lines, "chosen": backend, "world": launch.world}
 
 
 # ----------------------------------------------------------------------------- measure
@@ -165,11 +217,10 @@ def measure(args, cfg) -> dict:
     from torch.utils.data import DataLoader
 
     from train import build_accelerator
-    from bert_recipes.backend import describe
+    from bert_recipes.backend import describe, read_launch_plan
     from bert_recipes.modeling import build_model, model_config
     from bert_recipes.optim import build_optimizer
 
-    from bert_recipes.backend import read_launch_plan
     if read_launch_plan().pipeline:
         raise ConfigError("--measure runs the Accelerate backends (DDP, ZeRO, FSDP); the pipeline engine is not "
                           "measured (its row in the plan is a first-order estimate)")
@@ -249,6 +300,7 @@ def measure(args, cfg) -> dict:
                 "activations": stored, "peak": plan.peak}
     ranks = accelerator.gather_for_metrics([measured], use_gather_object=True)
     result = {"backend": backend, "world": world, "precision": accelerator.mixed_precision, "device": device.type,
+              "full_param_numel": shape.params,
               "estimate": estimate, "measured_per_rank": ranks}
     if accelerator.is_main_process:
         print(f"[memory] {backend} x{world} on {device.type}, precision {accelerator.mixed_precision}, "
@@ -274,8 +326,8 @@ def main(argv=None) -> int:
                         "num_processes, else 1)")
     parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per device (default: this GPU's, else 24)")
     parser.add_argument("--precision", choices=["no", "bf16", "fp16"], help="default: the recipe's")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="kernel choices and mask dtypes differ (default cuda)")
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        help="kernel choices and mask dtypes differ (default: cpu for a use_cpu config, else cuda)")
     parser.add_argument("--measure", action="store_true", help="run one real step and compare (under the launcher)")
     parser.add_argument("--out", help="write the result as JSON")
     args, overrides = parser.parse_known_args(argv)
@@ -284,14 +336,14 @@ def main(argv=None) -> int:
         if args.measure:
             measure(args, cfg)
             return 0
-        if args.world is None:
-            args.world = config_world(args.config) if args.config else 1
-        if args.world < 1:
+        if args.world is not None and args.world < 1:
             raise ConfigError(f"--world must be at least 1, got {args.world}")
         if args.gpu_memory is None:
             import torch
             args.gpu_memory = (torch.cuda.get_device_properties(0).total_memory / GiB
                                if torch.cuda.is_available() else 24.0)
+        if args.gpu_memory <= 0:
+            raise ConfigError(f"--gpu-memory must be positive (GiB per device), got {args.gpu_memory:g}")
         result = print_plan(args, cfg)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)

@@ -17,21 +17,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import REPO, SIZES, rows, run_row   # noqa: E402  (same launcher as gpu-check)
+from gpu_check import REPO, add_run_arguments, rows, run_row   # noqa: E402  (same launcher as gpu-check)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="ddp", help="a row of accelerate_configs/backends.tsv")
     parser.add_argument("--counts", help="process counts, e.g. 1,2,4,8 (default: powers of 2 up to the devices)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--size", choices=sorted(SIZES), default="base")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro", type=int, default=32)
-    parser.add_argument("--precision", default=None)
-    parser.add_argument("--cpu", action="store_true", help="CPU processes (one core each)")
-    parser.add_argument("--work", default="runs/scaling")
-    parser.add_argument("--timeout", type=int, default=1800)
+    add_run_arguments(parser, work="runs/scaling", cpu_help="CPU processes (one core each)")
     args = parser.parse_args()
     import torch
     if not args.cpu and not torch.cuda.is_available():
