@@ -319,7 +319,9 @@ def main(cfg: Config) -> dict:
                        f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
                        f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
                        f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
-                       f"data-wait {row['data_wait_share']:.0%}")
+                       f"data-wait {row['data_wait_share']:.0%}" + (
+                           f" peak mem {torch.cuda.max_memory_allocated() / 1e9:.2f} GB (predicted "
+                           f"{memory_plan.peak / 1e9:.2f})" if torch.cuda.is_available() else ""))
             t_aside = time.perf_counter()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total_steps:
                 run_eval()

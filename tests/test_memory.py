@@ -147,6 +147,22 @@ def test_model_states_match_a_real_step(row, tmp_path):
         assert all(m["parameters"] < 0.6 * full for m in result["measured_per_rank"]), (full, result)
 
 
+def test_bert_base_at_sequence_512_matches_a_real_step(tmp_path):
+    """The real size: BERT-base (110M), sequence 512, bf16 autocast, one process (the CPU analogue
+    of comparing against torch.cuda.max_memory_allocated on a GPU)."""
+    out = tmp_path / "base.json"
+    proc = subprocess.run([sys.executable, "tools/memory.py", "--measure", "--recipe", "recipes/bert-base-mlm-phase1.yaml",
+                           "--data.max_seq_length=512", "--train.micro_batch_size=2", "--train.mixed_precision=bf16",
+                           f"--run.output_dir={tmp_path}", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["full_param_numel"] > 100e6
+    measured = result["measured_per_rank"][0]
+    for key in ("parameters", "gradients", "optimizer", "activations"):
+        assert abs(measured[key] - result["estimate"][key]) <= 0.001 * measured[key], (key, measured, result["estimate"])
+
+
 # ----------------------------------------------------------------------------- the planner
 def planner(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "tools/memory.py", *args], cwd=REPO, capture_output=True, text=True,
