@@ -235,8 +235,10 @@ def main(cfg: Config) -> dict:
     ds_plugin = accelerator.state.deepspeed_plugin
     memory_plan = predict_run(cfg, accelerator.unwrap_model(model).config, backend, accelerator.device.type,
                               ds_plugin.deepspeed_config if ds_plugin else None)
-    print0(f"[memory] predicted per device ({backend_name(backend)}; all backends: make memory): "
-           + describe_plan(memory_plan))
+    if memory_plan is not None:
+        print0(f"[memory] predicted per device ({backend_name(backend)}; all backends: make memory): "
+               + describe_plan(memory_plan))
+    predicted_peak_gb = memory_plan.peak / 1e9 if memory_plan is not None else float("nan")
 
     # -------------------------------------------------------------------- resume
     state = {"step": 0, "history": {"train": [], "eval": []}}
@@ -321,7 +323,7 @@ def main(cfg: Config) -> dict:
                        f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
                        f"data-wait {row['data_wait_share']:.0%}" + (
                            f" peak mem {torch.cuda.max_memory_allocated() / 1e9:.2f} GB (predicted "
-                           f"{memory_plan.peak / 1e9:.2f})" if torch.cuda.is_available() else ""))
+                           f"{predicted_peak_gb:.2f})" if torch.cuda.is_available() else ""))
             t_aside = time.perf_counter()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total_steps:
                 run_eval()
@@ -359,7 +361,7 @@ def main(cfg: Config) -> dict:
              "num_processes": accelerator.num_processes,
              "eval_dataset_size": len(data["eval"]),
              "peak_memory_gb_per_rank": peak_memory_gb(accelerator),
-             "predicted_peak_memory_gb": memory_plan.peak / 1e9,
+             "predicted_peak_memory_gb": memory_plan.peak / 1e9 if memory_plan is not None else None,
              "rank_checksums": rank_checksums(accelerator, model),
              "distributed_type": str(accelerator.distributed_type), "backend": backend}
     if baseline is not None:
@@ -371,7 +373,7 @@ def main(cfg: Config) -> dict:
     if final["peak_memory_gb_per_rank"]:
         print0("[memory] peak allocated per GPU (torch.cuda.max_memory_allocated): "
                + ", ".join(f"{gb:.2f} GB" for gb in final["peak_memory_gb_per_rank"])
-               + f"; predicted {memory_plan.peak / 1e9:.2f} GB")
+               + f"; predicted {predicted_peak_gb:.2f} GB")
     print0(f"[done] {state['step']} steps in {final['wall_time_s']:.0f}s; metrics.json, curves.png and "
            f"TensorBoard logs in {output_dir}")
     accelerator.end_training()

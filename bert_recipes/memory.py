@@ -484,9 +484,11 @@ def measure_states(model, optimizer) -> dict[str, int]:
 
 
 def predict_run(cfg, model_config, info: dict, device: str, ds_config: dict | None = None,
-                masked_tokens: int | None = None) -> Plan:
+                masked_tokens: int | None = None) -> Plan | None:
     """The plan of a running train.py: its recipe, model and the backend `info` from
-    bert_recipes.backend.describe()."""
+    bert_recipes.backend.describe(); None for a backend the planner does not model (ZeRO-1 offload)."""
+    if backend_name(info) not in BACKENDS:
+        return None
     zero = (ds_config or {}).get("zero_optimization", {})
     numeric = lambda v: v if isinstance(v, (int, float)) else None   # noqa: E731 ("auto" until filled)
     launch = Launch(world=info["num_processes"], mixed_precision=info["mixed_precision"], device=device,

@@ -74,7 +74,7 @@ def run_row(row: dict, args, nproc: int, work: Path) -> dict:
     return {"backend": row["name"], "status": "ok", "processes": final["num_processes"],
             "steps_per_s": 1.0 / last["step_time_s"], "tokens_per_s": last.get("padded_tokens_per_sec", float("nan")),
             "peak_gb": "/".join(f"{p:.1f}" for p in peak) if peak else "n/a (CPU)",
-            "predicted_gb": final.get("predicted_peak_memory_gb", float("nan")),
+            "predicted_gb": final.get("predicted_peak_memory_gb") or float("nan"),
             "first_loss": train[0]["loss"], "last_loss": last["loss"], "wall_s": time.perf_counter() - t0}
 
 
