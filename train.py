@@ -233,7 +233,8 @@ def main(cfg: Config) -> dict:
     backend = describe(accelerator, model, full_param_numel)
     print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
     ds_plugin = accelerator.state.deepspeed_plugin
-    memory_plan = predict_run(cfg, accelerator.unwrap_model(model).config, backend, accelerator.device.type,
+    config_hf = accelerator.unwrap_model(model).config
+    memory_plan = predict_run(cfg, config_hf, backend, accelerator.device.type,
                               ds_plugin.deepspeed_config if ds_plugin else None)
     if memory_plan is not None:
         print0(f"[memory] predicted per device ({backend_name(backend)}; all backends: make memory): "
@@ -266,7 +267,6 @@ def main(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------- loop
     model.train()
-    config_hf = accelerator.unwrap_model(model).config
     mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
     flops_token = flops_per_token(config_hf, cfg.data.max_seq_length, mlm_fraction)
     peak, peak_source = peak_flops(accelerator.device, accelerator.mixed_precision)

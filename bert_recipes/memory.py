@@ -76,6 +76,11 @@ class Shape:
         return [[n for n, kind in params if kind in matrix], [n for n, kind in params if kind not in matrix]]
 
     @property
+    def embedding_params(self) -> int:
+        """Word, position and token-type embeddings and their LayerNorm (the first 5 entries)."""
+        return sum(n for n, _ in self.parameters()[:5])
+
+    @property
     def layer_params(self) -> int:
         return sum(n for n, _ in self._layer())
 
@@ -260,6 +265,15 @@ class Launch:
     prefetch_bucket: int | None = None   # DeepSpeed stage3_prefetch_bucket_size; None: 0.9 hidden^2
 
 
+def pipeline_stages(launch: Launch) -> int:
+    return max(1, min(launch.stages, launch.world))
+
+
+def replicas(backend: str, launch: Launch) -> int:
+    """Data-parallel ranks: all devices, or devices / stages under the pipeline."""
+    return max(1, launch.world // pipeline_stages(launch)) if backend == "pipeline" else launch.world
+
+
 def backend_name(info: dict) -> str:
     """The BACKENDS name of what runs, from bert_recipes.backend.describe()."""
     if "zero_stage" in info:
@@ -345,12 +359,10 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
     # pipeline: stages x data-parallel replicas. The first stage holds the embeddings and, in 1F1B,
     # up to `stages` micro batches in flight; the last holds the head, the tied copy of the word
     # embeddings (the MLM decoder) and one micro batch. The larger of the two decides.
-    stages = max(1, min(launch.stages, n))
-    replicas = max(1, n // stages)
+    stages, dp = pipeline_stages(launch), replicas(backend, launch)
     per_stage = math.ceil(shape.layers / stages)
-    embeddings = (shape.vocab + shape.max_positions + shape.type_vocab) * h + 2 * h
-    head = P - embeddings - shape.layers * shape.layer_params
-    first = embeddings + per_stage * shape.layer_params
+    head = P - shape.embedding_params - shape.layers * shape.layer_params
+    first = shape.embedding_params + per_stage * shape.layer_params
     last = per_stage * shape.layer_params + head + (shape.vocab * h if shape.num_labels is None else 0)
     stage_params = P if stages == 1 else max(first, last)
     in_flight = min(stages, launch.micro_batches)
@@ -359,8 +371,8 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
     last_acts = per_stage * layer_act + act["head"]
     activations = (max(first_acts, last_acts) if stages > 1 else act["total"]) + act["recompute"]
     boundary = 2 * work.batch * work.seq * h * k * in_flight   # activations sent and received
-    shard = math.ceil(stage_params / replicas)
-    notes = [f"{stages} stages x {replicas} replicas; the largest stage holds {fmt(k * stage_params)} of weights, "
+    shard = math.ceil(stage_params / dp)
+    notes = [f"{stages} stages x {dp} replicas; the largest stage holds {fmt(k * stage_params)} of weights, "
              f"{in_flight} micro batches in flight on the first"]
     if launch.pipeline_zero >= 1:   # ZeRO-1 over the replicas (ds_configs/pipeline.json), as zero1 above
         return Plan(backend, k * stage_params, k * shard, shard * (4 + 8), activations,

@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from bert_recipes.config import ConfigError, grad_accum_steps, load_config   # noqa: E402
 from bert_recipes.memory import (BACKENDS, GiB, Launch, Shape, activation_bytes, backend_name, fmt,  # noqa: E402
-                                 measure_activations, measure_states, plan_backend, predict_run, step_precision,
-                                 workload_of)
+                                 measure_activations, measure_states, plan_backend, predict_run, replicas,
+                                 step_precision, workload_of)
 
 CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: not usable by tensors
 
@@ -108,11 +108,6 @@ def read_launch_config(path: str | None, world: int | None, device: str | None, 
 
 
 # ----------------------------------------------------------------------------- plan
-def replicas(backend: str, launch: Launch) -> int:
-    """Data-parallel ranks: all devices, or devices / stages under the pipeline."""
-    return max(1, launch.world // launch.stages) if backend == "pipeline" else launch.world
-
-
 def plan_for(backend: str, shape: Shape, cfg, launch: Launch, micro: int, checkpointing: bool):
     accum = max(1, cfg.train.global_batch_size // (micro * replicas(backend, launch)))
     return plan_backend(backend, shape, workload_of(cfg, micro_batch=micro), replace(launch, micro_batches=accum),
