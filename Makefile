@@ -20,6 +20,8 @@ export PYTHONUNBUFFERED=1
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@echo "parallelism targets (accelerate_configs/backends.tsv):"
+	@$(MAKE) --no-print-directory modes
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,25 +45,29 @@ test: setup  ## run the test suite (CPU, offline)
 # ---------------------------------------------------------------- one target per parallelism mode
 # make zero3 RECIPE=recipes/bert-large-mlm.yaml        on the GPUs in accelerate_configs/zero3.yaml
 # make zero3 CPU=1                                     the same on 2 CPU processes (no GPU needed)
-# NPROC=4 overrides the process count, CONFIG=... the accelerate config. The table of modes is
-# accelerate_configs/backends.tsv (the tests read the same file).
+# NPROC=4 overrides the process count, CONFIG=... the accelerate config. The targets, their configs
+# and the CPU launch rule are the rows of accelerate_configs/backends.tsv (tools/ and the tests read
+# the same file): CPU=1 takes a row's cpu_config and prefixes its cpu_env.
 BACKENDS := accelerate_configs/backends.tsv
 MODES    := $(shell awk -F'\t' '!/^\#/ {print $$1}' $(BACKENDS))
+SINGLE_HOST_MODES := $(filter-out multinode,$(MODES))
 col       = $(shell awk -F'\t' '$$1=="$(1)" {print $$$(2)}' $(BACKENDS))
 NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2))
-# CPU=1: DDP needs ACCELERATE_USE_CPU (gloo); DeepSpeed needs DS_ACCELERATOR=cpu instead (with
-# ACCELERATE_USE_CPU Accelerate would silently drop DeepSpeed); FSDP is refused by train.py.
-CPU_ENV   = $(if $(CPU),$(if $(filter deepspeed,$(call col,$@,5)),DS_ACCELERATOR=cpu,ACCELERATE_USE_CPU=1))
+CPU_ENV   = $(if $(CPU),$(call col,$@,4))
+MODE_CONFIG = $(or $(CONFIG),$(if $(CPU),$(filter-out -,$(call col,$@,3))),$(call col,$@,2))
 
-.PHONY: $(MODES)
-ddp fsdp zero1 zero2 zero2-offload zero3 zero3-offload zero3-nvme pipeline: setup  ## e.g. make zero3 [CPU=1] [RECIPE=...] [NPROC=n]
-	$(CPU_ENV) $(ACCEL) launch --config_file $(or $(CONFIG),$(if $(and $(CPU),$(filter ddp,$@)),accelerate_configs/cpu.yaml,$(call col,$@,2))) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
+.PHONY: modes $(MODES)
+modes:  ## list the parallelism targets: make <mode> [CPU=1] [RECIPE=...] [NPROC=n] [CONFIG=...]
+	@awk -F'\t' '!/^\#/ {printf "  make %-14s %s\n", $$1, $$2}' $(BACKENDS)
+
+$(SINGLE_HOST_MODES): setup
+	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 
 multinode: setup  ## on each node: make multinode MACHINE_RANK=<0|1> MAIN_IP=<main node ip>; CPU=1 runs 2 "nodes" on 127.0.0.1
 ifdef CPU
-	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/multinode.yaml --num_machines 2 --num_processes 2 \
+	$(call col,multinode,4) $(ACCEL) launch --config_file accelerate_configs/multinode.yaml --num_machines 2 --num_processes 2 \
 		--machine_rank 1 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS) & \
-	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/multinode.yaml --num_machines 2 --num_processes 2 \
+	$(call col,multinode,4) $(ACCEL) launch --config_file accelerate_configs/multinode.yaml --num_machines 2 --num_processes 2 \
 		--machine_rank 0 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS); wait
 else
 	$(ACCEL) launch --config_file $(or $(CONFIG),accelerate_configs/multinode.yaml) --machine_rank $(MACHINE_RANK) \

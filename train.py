@@ -4,379 +4,252 @@
     accelerate launch --config_file accelerate_configs/<backend>.yaml train.py --recipe recipes/<name>.yaml
 
 The recipe holds the maths (model, data, optimizer, schedule, batch sizes); the launch config
-holds how it runs. The loop below names no backend.
+holds how it runs. One loop serves every backend: what differs between Accelerate (DDP, ZeRO,
+FSDP) and the DeepSpeed pipeline sits behind the engine (bert_recipes/engine.py).
 
-Reads top to bottom: config -> accelerator -> data -> model -> optimizer -> prepare -> resume
+Reads top to bottom: config -> engine -> data -> model -> optimizer -> prepare -> resume
 -> loop -> save.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads + DataLoader forks deadlock
 
 import torch
-import torch.nn.functional as F
 
-from bert_recipes.backend import (check_consistency, check_engaged, describe, fill_deepspeed_autos, rank_checksums,
-                                  read_launch_plan)
-from bert_recipes.checkpoint import export_model, load_checkpoint, resolve_resume, save_checkpoint
-from bert_recipes.config import Config, ConfigError, grad_accum_steps, flat_dict, load_config, to_yaml, validate
-from bert_recipes.data import ClassificationCollator, Indexed, MLMCollator, get_tokenizer, load_raw, tokenize
+from bert_recipes.backend import read_launch_plan
+from bert_recipes.checkpoint import read_train_state, resolve_resume, save_checkpoint
+from bert_recipes.config import Config, ConfigError, flat_dict, load_config, optimizer_steps, to_yaml, validate
+from bert_recipes.data import prepare_data
+from bert_recipes.engine import build_engine
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
-from bert_recipes.memory import backend_name, describe_plan, predict_run
-from bert_recipes.metrics import compute_metrics, default_metrics, majority_baseline
+from bert_recipes.memory import describe_plan, predict_run
+from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
-from bert_recipes.perf import (DataLoaderWatch, flops_per_token, peak_flops, peak_memory_gb, profile_table,
-                               start_profiler)
-
-
-# ----------------------------------------------------------------------------- accelerator
-def build_accelerator(cfg: Config, output_dir: Path):
-    """The Accelerator, with the settings the recipe owns (precision, accumulation, trackers).
-    The backend itself (DDP, DeepSpeed, FSDP) comes from the launch config."""
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
-
-    # The launcher sets WORLD_SIZE before Python starts, so the accumulation is known up front,
-    # and recipe / accelerate YAML / DeepSpeed JSON are compared before any heavy work.
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    accum = grad_accum_steps(cfg.train, world_size)
-    plan = read_launch_plan()
-    check_consistency(cfg, plan, world_size, accum, torch.cuda.is_available())
-    handlers = []
-    if world_size > 1 and not torch.cuda.is_available():
-        # Without this, Accelerate leaves the backend unset for DeepSpeed on CPU and sees 1 process.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    trackers = list(cfg.logging.trackers)
-    for name in trackers:
-        module = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}.get(name)
-        if module is None:
-            raise ConfigError(f"logging.trackers: unknown tracker '{name}' (use tensorboard, wandb or mlflow)")
-        try:
-            __import__(module)
-        except ImportError:
-            raise ConfigError(f"logging.trackers includes '{name}' but it is not installed: pip install {name}")
-    accelerator = Accelerator(
-        mixed_precision=cfg.train.mixed_precision,
-        gradient_accumulation_steps=accum,
-        step_scheduler_with_optimizer=False,   # the loop steps the schedule once per optimizer step
-        log_with=trackers or None,
-        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        kwargs_handlers=handlers,
-    )
-    check_engaged(accelerator, plan)
-    fill_deepspeed_autos(accelerator, cfg)
-    if accelerator.num_processes != world_size:
-        raise ConfigError(f"the launcher started {world_size} processes but Accelerate sees "
-                           f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
-                           "see README 'Launching on CPU' for launch commands that really distribute")
-    return accelerator, accum
-
-
-# ----------------------------------------------------------------------------- data
-@contextlib.contextmanager
-def main_first(is_main: bool, barrier):
-    """Rank 0 runs the block first (build, download, tokenize); the others then read its cache."""
-    if not is_main:
-        barrier()
-    yield
-    if is_main:
-        barrier()
-
-
-def prepare_data(cfg: Config, output_dir: Path, is_main: bool, barrier, fixed_length: int | None = None):
-    """raw text -> tokenizer (loaded, or trained once on rank 0) -> tokenized splits -> collator."""
-    with main_first(is_main, barrier):
-        raw = load_raw(cfg.data, cfg.task, cfg.run.seed)
-    tokenizer = get_tokenizer(cfg.tokenizer, cfg.model.name_or_path, raw["train"], cfg.data,
-                              output_dir / "tokenizer", is_main, barrier)
-    with main_first(is_main, barrier):
-        data = tokenize(raw, tokenizer, cfg.task, cfg.data, cfg.task.label_names)
-    if cfg.task.kind == "mlm":
-        collate = MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed, fixed_length=fixed_length)
-    else:
-        collate = ClassificationCollator(tokenizer, fixed_length=fixed_length)
-    return tokenizer, data, collate
-
-
-# ----------------------------------------------------------------------------- pipeline (fenced)
-def run_pipeline(cfg: Config, plan) -> dict:
-    """Pipeline parallelism goes around Accelerate (which has none for training): the DeepSpeed
-    pipeline engine runs the same recipe, data and outputs. See bert_recipes/pipeline.py."""
-    from bert_recipes.pipeline import train_pipeline
-    output_dir = Path(cfg.run.output_dir)
-    if cfg.model.gradient_checkpointing:
-        raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
-                          "pipeline.activation_checkpoint_interval instead")
-    return train_pipeline(
-        cfg, plan,
-        build_data=lambda is_main, barrier: prepare_data(cfg, output_dir, is_main, barrier,
-                                                         fixed_length=cfg.data.max_seq_length),
-        build_model_fn=lambda tokenizer: build_model(cfg.model, cfg.task, tokenizer),
-        build_optimizer_fn=lambda net: build_optimizer(net, cfg.optim),
-        build_scheduler_fn=lambda optimizer, total: build_scheduler(optimizer, cfg.optim, total))
-
-
-# ----------------------------------------------------------------------------- evaluation
-@torch.no_grad()
-def evaluate(accelerator, model, loader, cfg: Config) -> dict[str, float]:
-    """Each eval sample counted once: gather_for_metrics drops the duplicates that even
-    batching adds on the last batch."""
-    model.eval()
-    sums, counts, preds, refs = [], [], [], []
-    for batch in loader:
-        logits = model(**batch).logits
-        labels = batch["labels"]
-        if cfg.task.kind == "mlm":   # per-sample loss sums, so the mean is over tokens of all ranks
-            selected = labels != -100
-            if logits.dim() == 2:    # sparse head: one row per selected token
-                token_loss = F.cross_entropy(logits.float(), labels[selected], reduction="none")
-                per_sample = torch.zeros(len(labels), device=logits.device).index_add_(
-                    0, selected.nonzero()[:, 0], token_loss)
-            else:
-                per_sample = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none").sum(1)
-            s, c = accelerator.gather_for_metrics((per_sample, selected.sum(1)))
-            sums.append(s.double().cpu()), counts.append(c.cpu())
-        else:
-            p = logits.squeeze(-1).float() if cfg.task.num_labels == 1 else logits.argmax(-1)
-            p, r = accelerator.gather_for_metrics((p, labels))
-            preds.append(p.cpu()), refs.append(r.cpu())
-    model.train()
-    if cfg.task.kind == "mlm":
-        total, n = torch.cat(sums).sum().item(), torch.cat(counts).sum().item()
-        loss = total / max(n, 1)
-        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50)), "eval_samples": len(torch.cat(counts))}
-    preds, refs = torch.cat(preds).numpy(), torch.cat(refs).numpy()
-    names = cfg.task.metrics or default_metrics(cfg.task.num_labels)
-    out = compute_metrics(names, preds, refs, cfg.task.num_labels)
-    if cfg.task.num_labels == 1:
-        out["eval_loss"] = float(((preds - refs) ** 2).mean())
-    return {**out, "eval_samples": len(refs)}
+from bert_recipes.perf import DataLoaderWatch, flops_per_token, peak_flops, profile_table, start_profiler
 
 
 # ----------------------------------------------------------------------------- main
+@dataclass
+class Run:
+    """What main builds and the loop and the final save share."""
+    cfg: Config
+    engine: Any               # bert_recipes.engine.AccelerateEngine or bert_recipes.pipeline.PipelineEngine
+    output_dir: Path
+    config_yaml: str
+    tokenizer: Any
+    collate: Any
+    eval_dataset_size: int
+    steps_per_epoch: int
+    total_steps: int
+    stop_at: int              # total_steps, or train.halt_at_step
+    flops_per_token: float    # MFU's numerator per token
+    peak_flops: float         # one device
+    predicted_peak_gb: float  # the memory planner's (nan when not modelled)
+    backend: dict             # engine.describe()
+    baseline: float | None    # majority-class accuracy on the eval set
+    state: dict = field(default_factory=lambda: {"step": 0, "history": {"train": [], "eval": []}})
+
+
 def main(cfg: Config) -> dict:
     """Train as the recipe says; return the final metrics (also written to metrics.json)."""
-    from accelerate.utils import broadcast_object_list, set_seed
-    from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
+    from accelerate.utils import set_seed
 
     t_start = time.perf_counter()
     validate(cfg)
     output_dir = Path(cfg.run.output_dir)
     config_yaml = to_yaml(cfg)
 
+    # -------------------------------------------------------------------- engine
+    # The launch plan (accelerate YAML + DeepSpeed JSON) is read once. Building the engine starts the
+    # process group and compares the recipe with the plan before any heavy work.
     plan = read_launch_plan()
-    if plan.pipeline:
-        return run_pipeline(cfg, plan)
-
-    # -------------------------------------------------------------------- accelerator
-    accelerator, accum = build_accelerator(cfg, output_dir)
-    print0 = accelerator.print
+    engine = build_engine(cfg, plan, output_dir)
+    print0 = engine.print0
     set_seed(cfg.run.seed)
-    if accelerator.is_main_process:
+    if engine.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(config_yaml)
-    print0(f"[setup] {accelerator.distributed_type} x{accelerator.num_processes} on {accelerator.device}, "
-           f"precision={accelerator.mixed_precision}; global batch {cfg.train.global_batch_size} = "
-           f"micro {cfg.train.micro_batch_size} x accum {accum} x world {accelerator.num_processes}")
+    print0(f"[setup] {plan.name}: {engine.setup_line}")
 
     # -------------------------------------------------------------------- data
-    tokenizer, data, collate = prepare_data(cfg, output_dir, accelerator.is_main_process, accelerator.wait_for_everyone)
-    # Own generators: otherwise each new iterator draws its worker seed from the global torch RNG,
-    # which shifts the dropout stream of a resumed run away from the uninterrupted one.
-    loader_kwargs = dict(collate_fn=collate, num_workers=cfg.data.num_workers,
-                         persistent_workers=cfg.data.persistent_workers and cfg.data.num_workers > 0,
-                         pin_memory=cfg.data.pin_memory and torch.cuda.is_available(),
-                         generator=torch.Generator().manual_seed(cfg.run.seed))
-    train_loader = DataLoader(Indexed(data["train"]), batch_size=cfg.train.micro_batch_size, shuffle=True,
-                              drop_last=True, **loader_kwargs)
-    eval_loader = DataLoader(Indexed(data["eval"]), batch_size=cfg.train.eval_batch_size or cfg.train.micro_batch_size,
-                             **loader_kwargs)
+    tokenizer, data, collate = prepare_data(cfg, output_dir, engine.is_main, engine.barrier, engine.fixed_length)
     print0(f"[data] {len(data['train'])} train / {len(data['eval'])} eval sequences, max {cfg.data.max_seq_length} "
            f"tokens, vocab {len(tokenizer)}")
 
     # -------------------------------------------------------------------- model, optimizer, schedule
     model = build_model(cfg.model, cfg.task, tokenizer)
-    full_param_numel = count_parameters(model)
-    optimizer = build_optimizer(model, cfg.optim)
-    print0(f"[model] {type(model).__name__}: {full_param_numel / 1e6:.2f}M parameters")
-    # drop_last shards: each rank gets len // world batches. The schedule wraps the torch optimizer
-    # itself, before prepare: ZeRO keeps that optimizer (and its param_groups) inside its own.
-    batches_per_epoch = len(train_loader) // accelerator.num_processes
-    if batches_per_epoch == 0:
-        raise ConfigError(f"{len(data['train'])} training sequences cannot fill one micro batch of "
-                          f"{cfg.train.micro_batch_size} on each of {accelerator.num_processes} ranks")
-    steps_per_epoch = math.ceil(batches_per_epoch / accum)   # a short last window still steps
-    limits = [cfg.train.max_steps] if cfg.train.max_steps else []
-    if cfg.train.epochs is not None:
-        limits.append(math.ceil(cfg.train.epochs * steps_per_epoch))
-    total_steps = min(limits)
-    stop_at = min(total_steps, cfg.train.halt_at_step or total_steps)
+    model_config = model.config
+    print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
+    module = engine.wrap(model)   # the pipeline cuts it into stages; Accelerate keeps it whole
+    del model
+    optimizer = build_optimizer(module, cfg.optim)
+    steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch), peak lr {cfg.optim.lr}, "
-           f"{cfg.optim.decay} decay")
+    print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
+           f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, {cfg.optim.decay} decay")
 
     # -------------------------------------------------------------------- prepare
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    accelerator.register_for_checkpointing(scheduler)
-    assert len(train_loader) == batches_per_epoch, (len(train_loader), batches_per_epoch)
-    backend = describe(accelerator, model, full_param_numel)
+    engine.prepare(module, optimizer, scheduler, data, collate)
+    backend = engine.describe()
     print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
-    ds_plugin = accelerator.state.deepspeed_plugin
-    config_hf = accelerator.unwrap_model(model).config
-    memory_plan = predict_run(cfg, config_hf, backend, accelerator.device.type,
-                              ds_plugin.deepspeed_config if ds_plugin else None)
+    memory_plan = predict_run(cfg, model_config, plan, engine.num_processes, engine.device.type, engine.accum)
     if memory_plan is not None:
-        print0(f"[memory] predicted per device ({backend_name(backend)}; all backends: make memory): "
-               + describe_plan(memory_plan))
-    predicted_peak_gb = memory_plan.peak / 1e9 if memory_plan is not None else float("nan")
-
-    # -------------------------------------------------------------------- resume
-    state = {"step": 0, "history": {"train": [], "eval": []}}
-    checkpoint = [resolve_resume(cfg.checkpoint.resume, output_dir) if accelerator.is_main_process else None]
-    checkpoint = broadcast_object_list(checkpoint)[0]   # rank 0 decides: ranks may see the disk at different times
-    if checkpoint is not None:
-        state = load_checkpoint(accelerator, checkpoint)
-        print0(f"[resume] from {checkpoint} at step {state['step']}")
-    accelerator.init_trackers(cfg.run.name, config=flat_dict(cfg))
+        print0(f"[memory] predicted per device ({plan.name}; all backends: make memory): " + describe_plan(memory_plan))
+    mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
+    flops_token = flops_per_token(model_config, cfg.data.max_seq_length, mlm_fraction)
+    peak, peak_source = peak_flops(engine.device, cfg.train.mixed_precision)
+    print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
+           f"({peak_source}); MFU counts every device" + (", idle pipeline bubbles included" if plan.pipeline else ""))
     baseline = None
     if cfg.task.kind == "classification" and cfg.task.num_labels > 1:
         baseline = majority_baseline(data["train"]["labels"], data["eval"]["labels"])
+    run = Run(cfg, engine, output_dir, config_yaml, tokenizer, collate, len(data["eval"]), steps_per_epoch,
+              total_steps, min(total_steps, cfg.train.halt_at_step or total_steps), flops_token, peak,
+              memory_plan.peak / 1e9 if memory_plan is not None else float("nan"), backend, baseline)
 
-    def run_eval() -> dict:
-        metrics = {"step": state["step"], **evaluate(accelerator, model, eval_loader, cfg)}
-        state["history"]["eval"].append(metrics)
-        accelerator.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, step=state["step"])
-        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-        print0(f"[eval] {shown}" + (f" (majority baseline accuracy {baseline:.4f})" if baseline is not None else ""))
-        return metrics
+    # -------------------------------------------------------------------- resume
+    # Rank 0 decides and tells the others: ranks may see the disk at different times.
+    checkpoint = engine.broadcast(resolve_resume(cfg.checkpoint.resume, output_dir) if engine.is_main else None)
+    if checkpoint is not None:
+        engine.load(checkpoint)
+        run.state = read_train_state(checkpoint)
+        print0(f"[resume] from {checkpoint} at step {run.state['step']}")
+    engine.start_trackers(cfg.run.name, flat_dict(cfg))
 
-    def checkpoint_now():
-        save_checkpoint(output_dir, state["step"], state, config_yaml, cfg.checkpoint.keep_last,
-                        accelerator.save_state, accelerator.is_main_process, accelerator.wait_for_everyone)
+    # -------------------------------------------------------------------- loop, save
+    train(run)
+    return finish(run, time.perf_counter() - t_start)
 
-    # -------------------------------------------------------------------- loop
-    model.train()
-    mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
-    flops_token = flops_per_token(config_hf, cfg.data.max_seq_length, mlm_fraction)
-    peak, peak_source = peak_flops(accelerator.device, accelerator.mixed_precision)
-    print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
-           f"({peak_source})")
+
+# ----------------------------------------------------------------------------- the loop
+def train(run: Run) -> None:
+    """Optimizer steps until run.stop_at, the same for every engine: each step takes exactly
+    `accum` micro batches of this rank; an epoch is steps_per_epoch steps, and a resumed epoch
+    skips the micro batches its finished steps took."""
+    from tqdm.auto import tqdm
+    cfg, engine, state = run.cfg, run.engine, run.state
+    meter = Throughput(engine.counts_data)
     watch = DataLoaderWatch(cfg.logging.dataloader_warn_share)
-    profiler = start_profiler(output_dir) if cfg.logging.profile else None
-    meter = Throughput()
-    bar = tqdm(total=total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
-               disable=not (accelerator.is_local_main_process and cfg.logging.progress_bar))
-    max_grad_norm = cfg.optim.max_grad_norm or float("inf")   # inf: measure the norm, never clip
-    grad_norm = torch.tensor(0.0)
-    while state["step"] < stop_at:
-        epoch = state["step"] // steps_per_epoch
-        train_loader.set_epoch(epoch)
-        collate.epoch = epoch
-        done_in_epoch = (state["step"] - epoch * steps_per_epoch) * accum
-        loader = accelerator.skip_first_batches(train_loader, done_in_epoch) if done_in_epoch else train_loader
-        loader.set_epoch(epoch)   # the skipping loader is new: give it the epoch, or it reshuffles as epoch 0
-        for batch in loader:
-            meter.batch_arrived()
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            meter.add_micro_batch(batch, loss)
-            if not accelerator.sync_gradients:
-                continue
-            if not accelerator.optimizer_step_was_skipped:   # fp16 overflow: the step is redone
-                scheduler.step()
+    profiler = start_profiler(run.output_dir) if cfg.logging.profile else None
+    bar = tqdm(total=run.total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
+               disable=not (engine.is_local_main and cfg.logging.progress_bar))
+    while state["step"] < run.stop_at:
+        epoch, done = divmod(state["step"], run.steps_per_epoch)
+        run.collate.epoch = epoch   # MLM masks are a function of (seed, epoch, example)
+        batches = meter.feed(engine.batches(epoch, skip=done * engine.accum))
+        for _ in range(run.steps_per_epoch - done):
+            loss, grad_norm = engine.train_step(batches)
             state["step"] += 1
-            meter.steps += 1
+            meter.add_step(loss)
             bar.update(1)
             if profiler is not None:
                 profiler.step()
             step = state["step"]
-            if step % cfg.logging.log_every == 0 or step == total_steps:
-                row = {"step": step, "epoch": round(step / steps_per_epoch, 3), **meter.read(accelerator),
-                       "lr": scheduler.get_last_lr()[0],
-                       "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
-                row["mfu"] = flops_token * row["padded_tokens_per_sec"] / (peak * accelerator.num_processes)
-                _, warning = watch.verdict(row["data_wait_share"], row["window_steps"], row["window_s"])
-                if warning:
-                    print0(warning)
-                state["history"]["train"].append(row)
-                accelerator.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
+            if step % cfg.logging.log_every == 0 or step == run.total_steps:
+                row = log_step(run, meter.read(engine.all_sum, engine.device), grad_norm, watch)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
-                print0(f"[train] step {step}/{total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
-                       f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
-                       f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
-                       f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
-                       f"data-wait {row['data_wait_share']:.0%}" + (
-                           f" peak mem {torch.cuda.max_memory_allocated() / 1e9:.2f} GB (predicted "
-                           f"{predicted_peak_gb:.2f})" if torch.cuda.is_available() else ""))
             t_aside = time.perf_counter()
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total_steps:
-                run_eval()
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total_steps:
-                checkpoint_now()
-            meter.exclude(time.perf_counter() - t_aside)
-            if step >= stop_at:
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < run.total_steps:
+                run_eval(run)
+            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < run.total_steps:
+                checkpoint_now(run)
+            meter.exclude(time.perf_counter() - t_aside)   # eval and checkpoints are not training time
+            if step >= run.stop_at:
                 break
     bar.close()
     if profiler is not None:
         profiler.stop()
-        print0(profile_table(profiler, output_dir))
-    if state["step"] < total_steps:   # halted early on purpose: save and leave the rest to --resume auto
-        checkpoint_now()
-        print0(f"[halt] stopped at step {state['step']}/{total_steps} as train.halt_at_step asks; "
+        engine.print0(profile_table(profiler, run.output_dir))
+
+
+def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
+    """One log line, tracker point and history row: loss, lr, grad norm, throughput, MFU, data wait."""
+    engine, step = run.engine, run.state["step"]
+    row = {"step": step, "epoch": round(step / run.steps_per_epoch, 3), **row, "lr": engine.lr(),
+           "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
+    # MFU over every device (a pipeline's bubbles count against it)
+    row["mfu"] = run.flops_per_token * row["padded_tokens_per_sec"] / (run.peak_flops * engine.num_processes)
+    _, warning = watch.verdict(row["data_wait_share"], row["window_steps"], row["window_s"])
+    if warning:
+        engine.print0(warning)
+    run.state["history"]["train"].append(row)
+    engine.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step)
+    memory = (f" peak mem {torch.cuda.max_memory_allocated() / 1e9:.2f} GB (predicted {run.predicted_peak_gb:.2f})"
+              if torch.cuda.is_available() else "")
+    engine.print0(f"[train] step {step}/{run.total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
+                  f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
+                  f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
+                  f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
+                  f"data-wait {row['data_wait_share']:.0%}" + memory)
+    return row
+
+
+def run_eval(run: Run) -> dict:
+    metrics = {"step": run.state["step"], **eval_metrics(run.cfg.task, run.engine.evaluate())}
+    run.state["history"]["eval"].append(metrics)
+    run.engine.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, metrics["step"])
+    shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    baseline = f" (majority baseline accuracy {run.baseline:.4f})" if run.baseline is not None else ""
+    run.engine.print0(f"[eval] {shown}{baseline}")
+    return metrics
+
+
+def checkpoint_now(run: Run) -> None:
+    engine = run.engine
+    save_checkpoint(run.output_dir, run.state["step"], run.state, run.config_yaml, run.cfg.checkpoint.keep_last,
+                    engine.save, engine.is_main, engine.barrier)
+
+
+# ----------------------------------------------------------------------------- save
+def finish(run: Run, wall_time_s: float) -> dict:
+    """Halted: a checkpoint to resume from. Done: the last evaluation, a checkpoint, the export,
+    metrics.json, curves.png and the summary lines."""
+    cfg, engine, state, print0 = run.cfg, run.engine, run.state, run.engine.print0
+    if state["step"] < run.total_steps:   # halted early on purpose: save and leave the rest to --resume auto
+        checkpoint_now(run)
+        print0(f"[halt] stopped at step {state['step']}/{run.total_steps} as train.halt_at_step asks; "
                f"checkpoint saved, continue with --resume auto")
         halted = {"steps": state["step"], "halted": True}
-        if accelerator.is_main_process:
-            write_metrics(output_dir / "metrics.json", halted, state["history"], {"config": flat_dict(cfg)})
-        accelerator.end_training()
+        if engine.is_main:
+            write_metrics(run.output_dir / "metrics.json", halted, state["history"], {"config": flat_dict(cfg)})
+        engine.finish()
         return halted
-
-    # -------------------------------------------------------------------- save
-    final = run_eval() if not (state["history"]["eval"] and state["history"]["eval"][-1]["step"] == state["step"]) \
-        else state["history"]["eval"][-1]
-    checkpoint_now()
+    evals = state["history"]["eval"]
+    final = evals[-1] if evals and evals[-1]["step"] == state["step"] else run_eval(run)
+    checkpoint_now(run)
     if cfg.checkpoint.export:
-        export_dir = export_model(accelerator, model, tokenizer, output_dir / "model", config_yaml)
+        export_dir = engine.export(run.output_dir / "model", run.tokenizer, run.config_yaml)
         print0(f"[export] Hugging Face model + tokenizer -> {export_dir}")
     train_rows = state["history"]["train"]
+    predicted = run.predicted_peak_gb
     final = {**final, "steps": state["step"],
              "first_train_loss": train_rows[0]["loss"] if train_rows else None,
              "last_train_loss": train_rows[-1]["loss"] if train_rows else None,
-             "wall_time_s": time.perf_counter() - t_start,
-             "num_processes": accelerator.num_processes,
-             "eval_dataset_size": len(data["eval"]),
-             "peak_memory_gb_per_rank": peak_memory_gb(accelerator),
-             "predicted_peak_memory_gb": memory_plan.peak / 1e9 if memory_plan is not None else None,
-             "rank_checksums": rank_checksums(accelerator, model),
-             "distributed_type": str(accelerator.distributed_type), "backend": backend}
-    if baseline is not None:
-        final["majority_baseline_accuracy"] = baseline
-    if accelerator.is_main_process:
-        write_metrics(output_dir / "metrics.json", final, state["history"], {"config": flat_dict(cfg)})
+             "wall_time_s": wall_time_s, "num_processes": engine.num_processes,
+             "eval_dataset_size": run.eval_dataset_size,
+             "predicted_peak_memory_gb": None if predicted != predicted else predicted,
+             **engine.final(), "backend": run.backend}
+    if run.baseline is not None:
+        final["majority_baseline_accuracy"] = run.baseline
+    if engine.is_main:
+        write_metrics(run.output_dir / "metrics.json", final, state["history"], {"config": flat_dict(cfg)})
         if cfg.logging.plot:
-            plot_curves(output_dir / "curves.png", state["history"], f"{cfg.run.name} ({cfg.task.kind})")
-    if final["peak_memory_gb_per_rank"]:
+            plot_curves(run.output_dir / "curves.png", state["history"], f"{cfg.run.name} ({cfg.task.kind}, {engine.name})")
+    if final.get("peak_memory_gb_per_rank"):
         print0("[memory] peak allocated per GPU (torch.cuda.max_memory_allocated): "
-               + ", ".join(f"{gb:.2f} GB" for gb in final["peak_memory_gb_per_rank"])
-               + f"; predicted {predicted_peak_gb:.2f} GB")
-    print0(f"[done] {state['step']} steps in {final['wall_time_s']:.0f}s; metrics.json, curves.png and "
-           f"TensorBoard logs in {output_dir}")
-    accelerator.end_training()
+               + ", ".join(f"{gb:.2f} GB" for gb in final["peak_memory_gb_per_rank"]) + f"; predicted {predicted:.2f} GB")
+    print0(f"[done] {state['step']} steps in {wall_time_s:.0f}s; metrics.json, curves.png and "
+           f"TensorBoard logs in {run.output_dir}")
+    engine.finish()
     return final
 
 

@@ -1,8 +1,11 @@
 """The launch side: what the accelerate YAML (and DeepSpeed JSON) asked for, checked against the
-recipe before any heavy work, and what actually engaged once Accelerate is up.
+recipe before any heavy work; the Accelerator built from it; and what actually engaged.
 
 `accelerate launch --config_file X.yaml` hands its settings to the script as ACCELERATE_* / FSDP_*
-environment variables; this module reads them, plus the DeepSpeed JSON they point at.
+environment variables; `read_launch_plan` reads them, plus the DeepSpeed JSON they point at. Tools
+that plan a launch without running it read the YAML itself with `plan_from_config_file`, into the
+same LaunchPlan, so the backend vocabulary (name, kind, ZeRO stage, offload, sharding) is defined
+once, here.
 """
 from __future__ import annotations
 
@@ -14,7 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, grad_accum_steps
+
+REPO = Path(__file__).resolve().parents[1]
+BACKENDS_TSV = REPO / "accelerate_configs" / "backends.tsv"
 
 
 def _true(value: str | None) -> bool:
@@ -32,14 +38,45 @@ class LaunchPlan:
     grad_clip_env: str | None = None          # accelerate YAML's deepspeed gradient_clipping
     ds_config_path: str | None = None
     ds_config: dict = field(default_factory=dict)
+    num_processes: int | None = None          # the YAML's num_processes (a running job reads WORLD_SIZE)
+    num_machines: int = 1
 
+    # ------------------------------------------------------------ the backend vocabulary
     @property
     def zero_stage(self) -> int:
-        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0)) if self.deepspeed else 0
 
     @property
     def pipeline(self) -> bool:
-        return "pipeline" in self.ds_config
+        return self.deepspeed and "pipeline" in self.ds_config
+
+    @property
+    def kind(self) -> str:
+        """The engine family: ddp | fsdp | deepspeed | pipeline."""
+        if self.pipeline:
+            return "pipeline"
+        return "deepspeed" if self.deepspeed else "fsdp" if self.fsdp else "ddp"
+
+    @property
+    def offload(self) -> str:
+        """Where ZeRO offloads to: none | cpu | nvme (the farther of optimizer and parameters)."""
+        zero = self.ds_config.get("zero_optimization", {}) if self.deepspeed else {}
+        devices = {(zero.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+        return "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+
+    @property
+    def name(self) -> str:
+        """ddp | fsdp | zero0..3 with -offload (CPU) or -nvme | pipeline: the names of the Make
+        targets, the memory planner's rows and the logs."""
+        if self.kind != "deepspeed":
+            return self.kind
+        suffix = {"none": "", "cpu": "-offload", "nvme": "-nvme"}[self.offload]
+        return f"zero{self.zero_stage}{suffix}"
+
+    @property
+    def shards_params(self) -> bool:
+        """Does a rank hold only part of the weights? (ZeRO-3, FSDP, the pipeline's stages)"""
+        return self.kind in ("fsdp", "pipeline") or (self.kind == "deepspeed" and self.zero_stage == 3)
 
 
 def read_launch_plan(env=os.environ) -> LaunchPlan:
@@ -50,13 +87,79 @@ def read_launch_plan(env=os.environ) -> LaunchPlan:
                       ds_config_path=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
     if plan.deepspeed and plan.ds_config_path:
         path = Path(plan.ds_config_path)
+        if not path.exists() and not path.is_absolute() and (REPO / path).exists():
+            path = REPO / path   # a repository-relative path in a YAML, read from another directory
         if not path.exists():
             raise ConfigError(f"DeepSpeed config not found: {path} (from the accelerate config's deepspeed_config_file)")
         try:
             plan.ds_config = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
+        if not isinstance(plan.ds_config, dict):
+            raise ConfigError(f"DeepSpeed config {path} is not a JSON object")
     return plan
+
+
+def plan_from_config_file(path: str | Path) -> LaunchPlan:
+    """The LaunchPlan an accelerate YAML would give a launched script (the same environment
+    variables `accelerate launch` sets from it), for tools that plan without launching."""
+    import yaml
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"accelerate config {path}: {err.strerror}; pass an existing file "
+                          "(see accelerate_configs/)") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"accelerate config {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"accelerate config {path} is not a mapping of settings (see accelerate_configs/)")
+    kind = str(config.get("distributed_type", "NO")).upper()
+    ds = config.get("deepspeed_config") or {}
+    env = {"ACCELERATE_USE_DEEPSPEED": str(kind == "DEEPSPEED"), "ACCELERATE_USE_FSDP": str(kind == "FSDP"),
+           "ACCELERATE_USE_CPU": str(config.get("use_cpu", False))}
+    if config.get("mixed_precision") is not None:
+        env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"]).lower().replace("false", "no")
+    for key, var in (("deepspeed_config_file", "ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+                     ("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+                     ("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING")):
+        if kind == "DEEPSPEED" and ds.get(key) is not None:
+            env[var] = str(ds[key])
+    plan = read_launch_plan(env)
+    plan.num_processes = int(config.get("num_processes", 1))
+    plan.num_machines = int(config.get("num_machines", 1))
+    return plan
+
+
+# ---------------------------------------------------------------------------- the backend matrix
+@dataclass(frozen=True)
+class BackendRow:
+    """One row of accelerate_configs/backends.tsv: a Make target and how it launches."""
+    name: str
+    config: str          # the accelerate YAML on GPUs
+    cpu_config: str      # the accelerate YAML on CPU processes
+    cpu_env: str         # VAR=value the CPU launch needs (the Makefile prefixes the same)
+
+    @property
+    def plan(self) -> LaunchPlan:
+        return plan_from_config_file(REPO / self.config)
+
+    def cpu_launch_env(self, env: dict) -> dict:
+        """`env` with this row's CPU launch variable. DeepSpeed on CPU needs DS_ACCELERATOR=cpu and
+        must NOT see ACCELERATE_USE_CPU (Accelerate would silently run plain DDP instead)."""
+        var, value = self.cpu_env.split("=", 1)
+        out = {k: v for k, v in env.items() if not (var == "DS_ACCELERATOR" and k == "ACCELERATE_USE_CPU")}
+        out[var] = value
+        return out
+
+
+def backend_rows() -> dict[str, BackendRow]:
+    """The backend matrix, read by the Makefile, tools/ and the tests alike."""
+    rows = {}
+    for line in BACKENDS_TSV.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, config, cpu_config, cpu_env = line.split("\t")
+            rows[name] = BackendRow(name, config, config if cpu_config == "-" else cpu_config, cpu_env)
+    return rows
 
 
 def _set(value) -> bool:
@@ -152,6 +255,55 @@ def check_engaged(accelerator, plan: LaunchPlan) -> None:
         raise ConfigError(f"the accelerate config asks for FSDP but Accelerate runs {got}: Accelerate enables "
                            "FSDP only on GPUs, so this run would be DDP under the name FSDP. Refusing. "
                            "Use a GPU machine, or a DDP/DeepSpeed config on CPU")
+
+
+def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
+    """The Accelerator, with the settings the recipe owns (precision, accumulation, trackers).
+    The backend itself (DDP, DeepSpeed, FSDP) comes from the launch config. -> (accelerator, accum)"""
+    from accelerate import Accelerator
+    from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                                  ProjectConfiguration)
+
+    # The launcher sets WORLD_SIZE before Python starts, so the accumulation is known up front,
+    # and recipe / accelerate YAML / DeepSpeed JSON are compared before any heavy work.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    accum = grad_accum_steps(cfg.train, world_size)
+    check_consistency(cfg, plan, world_size, accum, torch.cuda.is_available())
+    handlers = []
+    if world_size > 1 and not torch.cuda.is_available():
+        # Without this, Accelerate leaves the backend unset for DeepSpeed on CPU and sees 1 process.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    trackers = check_trackers(cfg.logging.trackers)
+    accelerator = Accelerator(
+        mixed_precision=cfg.train.mixed_precision,
+        # Every optimizer step takes exactly `accum` micro batches (train.py's loop), so the
+        # gradients sync on the count alone, never on an epoch's end.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accum, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,   # the engine steps the schedule once per optimizer step
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=handlers,
+    )
+    check_engaged(accelerator, plan)
+    fill_deepspeed_autos(accelerator, cfg)
+    if accelerator.num_processes != world_size:
+        raise ConfigError(f"the launcher started {world_size} processes but Accelerate sees "
+                           f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
+                           "see README 'Launching on CPU' for launch commands that really distribute")
+    return accelerator, accum
+
+
+def check_trackers(trackers: list[str]) -> list[str]:
+    """The recipe's trackers, each known and installed."""
+    for name in trackers:
+        if name not in ("tensorboard", "wandb", "mlflow"):
+            raise ConfigError(f"logging.trackers: unknown tracker '{name}' (use tensorboard, wandb or mlflow)")
+        try:
+            __import__(name)
+        except ImportError:
+            raise ConfigError(f"logging.trackers includes '{name}' but it is not installed: pip install {name}")
+    return list(trackers)
 
 
 def _local_numel(p) -> int:

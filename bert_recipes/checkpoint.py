@@ -70,9 +70,9 @@ def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    accelerator.load_state(str(path))
-    return json.loads((path / STATE_FILE).read_text())
+def read_train_state(path: Path) -> dict:
+    """The loop's own state saved with a checkpoint: step and history."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
 
 
 def full_state_dict(accelerator, model) -> dict:

@@ -8,6 +8,7 @@ numbers in the message.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -335,6 +336,25 @@ def grad_accum_steps(train: TrainConfig, world_size: int) -> int:
             f"train.micro_batch_size={train.micro_batch_size} x world_size={world_size} = {per_step}. "
             f"Pick a global batch that is a multiple of {per_step}, or change the micro batch.")
     return train.global_batch_size // per_step
+
+
+def optimizer_steps(train: TrainConfig, train_sequences: int, replicas: int, accum: int) -> tuple[int, int]:
+    """-> (steps per epoch, total steps), the same for every engine.
+
+    Each replica gets train_sequences // micro // replicas micro batches per epoch (drop_last,
+    sharded), and every optimizer step takes exactly `accum` of them: a step always sees the whole
+    global batch, so an epoch's incomplete last step is dropped, as drop_last drops an incomplete
+    micro batch. (The DeepSpeed pipeline cannot run a short step at all.)"""
+    batches_per_epoch = train_sequences // train.micro_batch_size // replicas
+    steps_per_epoch = batches_per_epoch // accum
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{train_sequences} training sequences cannot fill one optimizer step: "
+                          f"train.global_batch_size={train.global_batch_size} (micro {train.micro_batch_size} x "
+                          f"accum {accum} x {replicas} replicas). Use more data or a smaller global batch")
+    limits = [train.max_steps] if train.max_steps else []
+    if train.epochs is not None:
+        limits.append(math.ceil(train.epochs * steps_per_epoch))
+    return steps_per_epoch, min(limits)
 
 
 def validate(cfg: Config) -> None:

@@ -11,6 +11,7 @@ makes a resumed run equal an uninterrupted one.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -126,7 +127,13 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
 
     name = tok_cfg.name_or_path or model_name_or_path
     if name:
-        return AutoTokenizer.from_pretrained(name)
+        try:
+            return AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as err:
+            key = "tokenizer.name_or_path" if tok_cfg.name_or_path else "model.name_or_path"
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ConfigError(f"{key}={name}: cannot load a tokenizer from it ({reason}); give a directory with "
+                              "tokenizer files (an export's model/ has them) or a Hub name") from None
     # Only rank 0 looks at the disk and decides; the barrier is unconditional. (Letting each rank
     # test "exists?" itself deadlocks when a slow rank sees the file rank 0 has just written and
     # skips a barrier that rank 0 is waiting in.)
@@ -295,3 +302,39 @@ def _pad(tokenizer, features, pad_to_multiple_of, fixed_length):
     if fixed_length:
         return tokenizer.pad(features, return_tensors="pt", padding="max_length", max_length=fixed_length)
     return tokenizer.pad(features, return_tensors="pt", pad_to_multiple_of=pad_to_multiple_of)
+
+
+def loader_kwargs(data: DataConfig, collate, seed: int, pin: bool) -> dict:
+    """DataLoader settings shared by the train and eval loaders. One seeded generator of their own:
+    otherwise each new iterator draws its worker seed from the global torch RNG, which shifts the
+    dropout stream of a resumed run away from the uninterrupted one."""
+    return dict(collate_fn=collate, num_workers=data.num_workers,
+                persistent_workers=data.persistent_workers and data.num_workers > 0,
+                pin_memory=data.pin_memory and pin, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------- all of it
+@contextlib.contextmanager
+def main_first(is_main: bool, barrier):
+    """Rank 0 runs the block first (build, download, tokenize); the others then read its cache."""
+    if not is_main:
+        barrier()
+    yield
+    if is_main:
+        barrier()
+
+
+def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: int | None = None):
+    """raw text -> tokenizer (loaded, or trained once on rank 0) -> tokenized splits -> collator.
+    `cfg` is the whole Config: data, task, tokenizer, the model's name and the seed all meet here."""
+    with main_first(is_main, barrier):
+        raw = load_raw(cfg.data, cfg.task, cfg.run.seed)
+    tokenizer = get_tokenizer(cfg.tokenizer, cfg.model.name_or_path, raw["train"], cfg.data,
+                              output_dir / "tokenizer", is_main, barrier)
+    with main_first(is_main, barrier):
+        data = tokenize(raw, tokenizer, cfg.task, cfg.data, cfg.task.label_names)
+    if cfg.task.kind == "mlm":
+        collate = MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed, fixed_length=fixed_length)
+    else:
+        collate = ClassificationCollator(tokenizer, fixed_length=fixed_length)
+    return tokenizer, data, collate

@@ -5,6 +5,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -12,56 +13,69 @@ import torch
 class Throughput:
     """Counts what passed through the model since the last `read()`, on this rank.
 
-    tokens_real counts non-pad tokens (attention_mask), tokens_padded every position fed to
-    the model, so their ratio shows how much compute padding wastes."""
+    tokens_real counts non-pad tokens (attention_mask), tokens_padded every position fed to the
+    model, so their ratio shows how much compute padding wastes. Counts and losses stay tensors on
+    the batch's device until `read()`, so a GPU never waits for the host between log steps.
+    `counts_data=False` (a middle or last pipeline stage) times its steps but counts no data, so
+    every sequence is counted once."""
 
-    def __init__(self):
+    def __init__(self, counts_data: bool = True):
+        self.counts_data = counts_data
         self.reset()
 
     def reset(self):
         self.t0 = time.perf_counter()
-        self.last_end = self.t0
         self.wait_s = 0.0
         self.excluded_s = 0.0
         self.samples = 0
         self.tokens_real = 0
         self.tokens_padded = 0
         self.loss_sum = 0.0
-        self.micro_batches = 0
         self.steps = 0
 
-    def batch_arrived(self):
-        """Call when the loop receives a batch: the time since the last micro-batch ended was
-        spent waiting for data."""
-        self.wait_s += time.perf_counter() - self.last_end
+    def feed(self, batches: Iterator[dict]) -> Iterator[dict]:
+        """Pass micro-batches through, timing the wait for each (the data-loader verdict) and
+        counting what it holds."""
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.wait_s += time.perf_counter() - t0
+            if self.counts_data:
+                ids = batch["input_ids"]
+                self.samples += ids.shape[0]
+                self.tokens_padded += ids.numel()
+                self.tokens_real = self.tokens_real + (batch["attention_mask"].sum() if "attention_mask" in batch
+                                                       else ids.numel())
+            yield batch
+
+    def add_step(self, loss):
+        """One optimizer step done; `loss` is its mean over micro batches (a tensor or a float)."""
+        self.steps += 1
+        if self.counts_data:
+            self.loss_sum = self.loss_sum + loss
 
     def exclude(self, seconds: float):
         """Take time spent outside training (eval, checkpoints) out of the window."""
         self.excluded_s += seconds
-        self.last_end = time.perf_counter()
 
-    def add_micro_batch(self, batch: dict, loss: torch.Tensor):
-        self.last_end = time.perf_counter()
-        ids = batch["input_ids"]
-        self.samples += ids.shape[0]
-        self.tokens_padded += ids.numel()
-        self.tokens_real += int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()
-        self.loss_sum += float(loss.detach())
-        self.micro_batches += 1
-
-    def read(self, accelerator) -> dict[str, float]:
-        """Sums over ranks (one small all-reduce), then rates over the window's wall time."""
+    def read(self, all_sum: Callable, device) -> dict[str, float]:
+        """Sums over ranks (one small all-reduce, `all_sum`), then rates over the window's wall time."""
         elapsed = max(time.perf_counter() - self.t0 - self.excluded_s, 1e-9)
-        local = torch.tensor([self.samples, self.tokens_real, self.tokens_padded, self.loss_sum,
-                              self.micro_batches, self.wait_s], dtype=torch.float64, device=accelerator.device)
-        total = accelerator.reduce(local, reduction="sum").tolist()
-        samples, real, padded, loss_sum, micro, wait = total
-        out = {"loss": loss_sum / max(micro, 1),
+        ranks = 1.0 if self.counts_data else 0.0
+        local = torch.tensor([float(self.samples), float(self.tokens_real), float(self.tokens_padded),
+                              float(self.loss_sum), ranks * self.steps, self.wait_s * ranks, ranks],
+                             dtype=torch.float64, device=device)
+        samples, real, padded, loss_sum, steps, wait, ranks = all_sum(local).tolist()
+        out = {"loss": loss_sum / max(steps, 1),
                "samples_per_sec": samples / elapsed,
                "tokens_per_sec": real / elapsed,
                "padded_tokens_per_sec": padded / elapsed,
                "step_time_s": elapsed / max(self.steps, 1),
-               "data_wait_share": wait / (elapsed * accelerator.num_processes),
+               "data_wait_share": wait / (elapsed * max(ranks, 1)),
                "window_s": elapsed, "window_steps": self.steps}
         self.reset()
         return out

@@ -274,12 +274,26 @@ def replicas(backend: str, launch: Launch) -> int:
     return max(1, launch.world // pipeline_stages(launch)) if backend == "pipeline" else launch.world
 
 
-def backend_name(info: dict) -> str:
-    """The BACKENDS name of what runs, from bert_recipes.backend.describe()."""
-    if "zero_stage" in info:
-        name = f"zero{info['zero_stage']}"
-        return name + "-offload" if info["offload_optimizer"] or info["offload_param"] else name
-    return "fsdp" if "fsdp_version" in info else "ddp"
+def planner_row(plan) -> str | None:
+    """The BACKENDS row of a bert_recipes.backend.LaunchPlan: NVMe offload leaves the device as CPU
+    offload does; None for a backend the planner does not model (ZeRO-0, ZeRO-1 with offload)."""
+    name = plan.name.replace("-nvme", "-offload")
+    return name if name in BACKENDS else None
+
+
+def _numeric(value):
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None   # "auto": unset
+
+
+def launch_of(plan, world: int, precision: str, device: str, micro_batches: int = 1) -> Launch:
+    """The Launch of a LaunchPlan: world size, precision, device and the DeepSpeed JSON's settings."""
+    ds = plan.ds_config
+    zero = ds.get("zero_optimization", {})
+    return Launch(world=world, mixed_precision=precision, device=device, micro_batches=micro_batches,
+                  stages=int(ds.get("pipeline", {}).get("stages", 2)),
+                  pipeline_zero=plan.zero_stage if plan.pipeline else 1,
+                  reduce_bucket=_numeric(zero.get("reduce_bucket_size")),
+                  prefetch_bucket=_numeric(zero.get("stage3_prefetch_bucket_size")))
 
 
 def step_precision(backend: str, mixed_precision: str) -> str:
@@ -495,18 +509,15 @@ def measure_states(model, optimizer) -> dict[str, int]:
             "optimizer": sum(optim_bytes.values())}
 
 
-def predict_run(cfg, model_config, info: dict, device: str, ds_config: dict | None = None,
+def predict_run(cfg, model_config, plan, world: int, device: str, accum: int = 1,
                 masked_tokens: int | None = None) -> Plan | None:
-    """The plan of a running train.py: its recipe, model and the backend `info` from
-    bert_recipes.backend.describe(); None for a backend the planner does not model (ZeRO-1 offload)."""
-    if backend_name(info) not in BACKENDS:
+    """The plan of a running train.py: its recipe and model under the LaunchPlan it runs; None for
+    a backend the planner does not model."""
+    row = planner_row(plan)
+    if row is None:
         return None
-    zero = (ds_config or {}).get("zero_optimization", {})
-    numeric = lambda v: v if isinstance(v, (int, float)) else None   # noqa: E731 ("auto" until filled)
-    launch = Launch(world=info["num_processes"], mixed_precision=info["mixed_precision"], device=device,
-                    reduce_bucket=numeric(zero.get("reduce_bucket_size")),
-                    prefetch_bucket=numeric(zero.get("stage3_prefetch_bucket_size")))
-    return plan_backend(backend_name(info), Shape.from_config(model_config, cfg.task.kind),
+    launch = launch_of(plan, world, cfg.train.mixed_precision, device, accum)
+    return plan_backend(row, Shape.from_config(model_config, cfg.task.kind),
                         workload_of(cfg, model_config, masked_tokens=masked_tokens), launch,
                         cfg.model.gradient_checkpointing)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import BertForMaskedLM
 from transformers.modeling_outputs import MaskedLMOutput
 
-from .config import ModelConfig, TaskConfig
+from .config import ConfigError, ModelConfig, TaskConfig
 
 
 class RecipeBertForMaskedLM(BertForMaskedLM):
@@ -75,9 +75,13 @@ def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_
             overrides["id2label"] = dict(enumerate(task.label_names))
             overrides["label2id"] = {n: i for i, n in enumerate(task.label_names)}
     if model_cfg.name_or_path:
-        config = AutoConfig.from_pretrained(model_cfg.name_or_path, **overrides)
+        try:
+            config = AutoConfig.from_pretrained(model_cfg.name_or_path, **overrides)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.name_or_path={model_cfg.name_or_path}: cannot load its config "
+                              f"({first_line(err)}); give a Hugging Face model directory or a Hub name") from None
         if task.kind == "mlm" and config.model_type != "bert":
-            raise ValueError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model; "
+            raise ConfigError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model; "
                              "mlm pretraining here builds BERT (model_type bert)")
         return config
     config = BertConfig(
@@ -98,11 +102,16 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
         config = model_config(model_cfg, task, len(tokenizer), tokenizer.pad_token_id)
     if model_cfg.name_or_path:
         auto = RecipeBertForMaskedLM if task.kind == "mlm" else AutoModelForSequenceClassification
-        model = auto.from_pretrained(model_cfg.name_or_path, config=config,
-                                     attn_implementation=model_cfg.attn_implementation)
+        try:
+            model = auto.from_pretrained(model_cfg.name_or_path, config=config,
+                                         attn_implementation=model_cfg.attn_implementation)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.name_or_path={model_cfg.name_or_path}: cannot load its weights "
+                              f"({first_line(err)})") from None
         if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
-            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                             f"{model.config.vocab_size}: they do not belong together")
+            raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model.name_or_path="
+                              f"{model_cfg.name_or_path} has vocab_size {model.config.vocab_size}: they do not belong "
+                              "together; use the model's own tokenizer (leave tokenizer.name_or_path unset)")
     else:
         model = (RecipeBertForMaskedLM if task.kind == "mlm" else BertForSequenceClassification)(config)
     if task.kind == "mlm":
@@ -114,3 +123,7 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
 
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

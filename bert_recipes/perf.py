@@ -132,9 +132,10 @@ def profile_table(profiler, output_dir) -> str:
     return f"[profile] top 10 operators by self time (trace: tensorboard --logdir {output_dir / 'profile'})\n{table}"
 
 
-def peak_memory_gb(accelerator) -> list[float] | None:
-    """torch.cuda.max_memory_allocated of every rank, in GB (None on CPU)."""
+def peak_memory_gb(all_sum, rank: int, world: int, device) -> list[float] | None:
+    """torch.cuda.max_memory_allocated of every rank, in GB (None on CPU). Collective."""
     if not torch.cuda.is_available():
         return None
-    local = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=accelerator.device)
-    return accelerator.gather(local).tolist()
+    local = torch.zeros(world, dtype=torch.float64, device=device)
+    local[rank] = torch.cuda.max_memory_allocated() / 1e9
+    return all_sum(local).tolist()

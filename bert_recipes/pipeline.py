@@ -1,9 +1,10 @@
-"""Pipeline parallelism: BERT as a DeepSpeed PipelineModule. The one fenced path of train.py.
+"""Pipeline parallelism: BERT as a DeepSpeed PipelineModule, and the engine that runs it.
 
 Accelerate has no pipeline parallelism for training, so when the DeepSpeed JSON has a `pipeline`
-section train.py hands the run to `train_pipeline` here. The recipe, the data, the schedule and the
-outputs (checkpoints/, model/ in Hugging Face format, metrics.json) are the same as on every other
-backend; only the engine differs.
+section train.py builds `PipelineEngine` here instead of the Accelerate engine. The loop, the
+recipe, the data order, the schedule and the outputs (checkpoints/, model/ in Hugging Face format,
+metrics.json) are train.py's, the same as on every other backend; this module holds only the
+model split (layer specs), the engine and its export.
 
 BERT is cut into a flat list of layers, each taking and returning (hidden, attention_mask); the
 mask travels as an integer tensor, so the pipeline sends no gradient for it:
@@ -19,14 +20,15 @@ Micro-batches per optimizer step = gradient accumulation = global / (micro x dat
 """
 from __future__ import annotations
 
-import json
+import itertools
 import math
-import time
+import os
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import BatchSampler
 
 from .config import Config, ConfigError
 
@@ -183,282 +185,243 @@ def pipeline_settings(ds_config: dict) -> tuple[int, str]:
     return stages, pipe.get("partition", "parameters")
 
 
-def train_pipeline(cfg: Config, plan, build_data, build_model_fn, build_optimizer_fn, build_scheduler_fn) -> dict:
-    """The pipeline engine's loop: the same recipe, outputs and checkpoints as train.main."""
-    import deepspeed
-    import deepspeed.comm as dist
-    from deepspeed.pipe import PipelineModule
 
-    from .checkpoint import resolve_resume, save_checkpoint
-    from .config import flat_dict, grad_accum_steps, to_yaml
-    from .logs import plot_curves, write_metrics
-    from .perf import DataLoaderWatch, flops_per_token, peak_flops
 
-    t_start = time.perf_counter()
-    deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    stages, partition = pipeline_settings(plan.ds_config)
-    if world % stages:
-        raise ConfigError(f"{world} processes cannot form pipelines of {stages} stages (pipeline.stages in "
-                          f"{plan.ds_config_path}): the world size must be a multiple of the stage count")
-    dp = world // stages
-    accum = grad_accum_steps(cfg.train, dp)
-    from .backend import check_consistency
-    check_consistency(cfg, plan, dp, accum, torch.cuda.is_available())
-    output_dir = Path(cfg.run.output_dir)
-    config_yaml = to_yaml(cfg)
-    is_main = rank == 0
+class _ReplicaBatches(BatchSampler):
+    """Accelerate's sharding for the pipeline: batch i of the seedable order goes to replica
+    i % replicas, so a pipeline run sees exactly the batches of a DDP run with as many ranks.
+    `skip` leaves out a resumed epoch's first batches before they are collated."""
 
-    def print0(*args):
-        if is_main:
+    def __init__(self, sampler, batch_size: int, replicas: int, replica: int):
+        super().__init__(sampler, batch_size=batch_size, drop_last=True)
+        self.replicas, self.replica, self.skip = replicas, replica, 0
+
+    def __iter__(self):
+        mine = (b for i, b in enumerate(super().__iter__()) if i % self.replicas == self.replica and i < len(self) * self.replicas)
+        yield from itertools.islice(mine, self.skip, None)
+
+    def __len__(self):
+        return super().__len__() // self.replicas
+
+
+class PipelineEngine:
+    """The DeepSpeed pipeline engine behind train.py's engine interface (see bert_recipes/engine.py).
+    Creating it starts the process group: `stages` consecutive ranks form one pipeline, and
+    world / stages pipelines are the data-parallel replicas."""
+
+    name = "pipeline"
+
+    def __init__(self, cfg: Config, plan, output_dir: Path):
+        import deepspeed
+        import deepspeed.comm as dist
+
+        from .backend import check_consistency, check_trackers
+        from .config import grad_accum_steps
+        if cfg.model.gradient_checkpointing:
+            raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
+                              "pipeline.activation_checkpoint_interval instead")
+        trackers = check_trackers(cfg.logging.trackers)
+        if set(trackers) - {"tensorboard"}:
+            raise ConfigError(f"logging.trackers={trackers}: the pipeline engine logs to tensorboard only")
+        self.cfg, self.plan, self.output_dir, self.trackers = cfg, plan, output_dir, trackers
+        deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo")
+        self.dist = dist
+        world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.stages, self.partition = pipeline_settings(plan.ds_config)
+        if world % self.stages:
+            raise ConfigError(f"{world} processes cannot form pipelines of {self.stages} stages (pipeline.stages in "
+                              f"{plan.ds_config_path}): the world size must be a multiple of the stage count")
+        self.num_processes, self.replicas = world, world // self.stages
+        self.accum = grad_accum_steps(cfg.train, self.replicas)
+        check_consistency(cfg, plan, self.replicas, self.accum, torch.cuda.is_available())
+        self.is_main = self.rank == 0
+        self.is_local_main = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
+        self.fixed_length = cfg.data.max_seq_length   # the pipeline's buffers have fixed shapes
+        self.writer = None
+        self.setup_line = (f"DeepSpeed pipeline engine, {self.stages} stages x {self.replicas} data-parallel replicas = "
+                           f"{world} processes, precision={cfg.train.mixed_precision}; global batch "
+                           f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum {self.accum} "
+                           f"x dp {self.replicas}")
+
+    # ------------------------------------------------------------ communication and output
+    def print0(self, *args):
+        if self.is_main:
             print(*args, flush=True)
 
-    torch.manual_seed(cfg.run.seed)
-    if is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(config_yaml)
-    print0(f"[setup] DeepSpeed pipeline: {stages} stages x {dp} data-parallel replicas = {world} processes; "
-           f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum {accum} x dp {dp}")
+    def barrier(self):
+        self.dist.barrier()
 
-    tokenizer, data, collate = build_data(is_main, dist.barrier)
-    model = build_model_fn(tokenizer)
-    if not hasattr(model, "bert"):
-        raise ConfigError("the pipeline path builds BERT models only (model_type bert)")
-    full_param_numel = sum(p.numel() for p in model.parameters())
-    mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
-    flops_token = flops_per_token(model.config, cfg.data.max_seq_length, mlm_fraction)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    peak, peak_source = peak_flops(device, cfg.train.mixed_precision)
-    print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
-           f"({peak_source}); a pipeline's MFU counts every device, idle bubbles included")
-    specs, names = layer_specs(model, cfg.task.kind)
-    loss_fn = mlm_loss if cfg.task.kind == "mlm" else classification_loss(cfg.task.num_labels)
-    net = PipelineModule(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method=partition)
-    del model
+    def broadcast(self, obj):
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
 
-    ds_config = {k: v for k, v in plan.ds_config.items() if k != "pipeline"}
-    ds_config.update(train_micro_batch_size_per_gpu=cfg.train.micro_batch_size, gradient_accumulation_steps=accum,
-                     train_batch_size=cfg.train.global_batch_size, gradient_clipping=cfg.optim.max_grad_norm)
-    for mode in ("bf16", "fp16"):
-        if isinstance(ds_config.get(mode), dict):
-            ds_config[mode] = {**ds_config[mode], "enabled": cfg.train.mixed_precision == mode}
-    optimizer = build_optimizer_fn(net)
+    def all_sum(self, tensor):
+        tensor = tensor.to(self.device)
+        torch.distributed.all_reduce(tensor)
+        return tensor
 
-    # data: the same sample order as Accelerate's seedable sampler, and batch i goes to replica
-    # i % dp (as Accelerate shards batches), so a pipeline run sees exactly the batches of a DDP run
-    from accelerate.data_loader import SeedableRandomSampler
-    from torch.utils.data import BatchSampler, DataLoader
-    from .data import Indexed
-    engine_grid_dp_rank = (rank % dp) if dp > 1 else 0   # PipeDataParallelTopology: data axis is fastest
-    train_set = Indexed(data["train"])
-    sampler = SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=cfg.run.seed)
+    def start_trackers(self, run_name: str, config: dict):
+        if self.is_main and "tensorboard" in self.trackers:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.output_dir / "logs" / run_name))
 
-    class _Shard(BatchSampler):
-        def __iter__(self):
-            for i, batch in enumerate(super().__iter__()):
-                if i % dp == engine_grid_dp_rank and i < len(self) * dp:
-                    yield batch
+    def log(self, values: dict, step: int):
+        if self.writer is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, step)
 
-        def __len__(self):
-            return super().__len__() // dp
+    def finish(self):
+        if self.writer is not None:
+            self.writer.close()
 
-    batch_sampler = _Shard(sampler, batch_size=cfg.train.micro_batch_size, drop_last=True)
-    loader = DataLoader(train_set, batch_sampler=batch_sampler, collate_fn=collate, num_workers=cfg.data.num_workers)
-    batches_per_epoch = len(loader)
-    steps_per_epoch = batches_per_epoch // accum
-    if steps_per_epoch == 0:
-        raise ConfigError(f"{len(data['train'])} training sequences cannot fill one optimizer step of "
-                          f"{accum} micro batches of {cfg.train.micro_batch_size} per replica")
-    limits = [cfg.train.max_steps] if cfg.train.max_steps else []
-    if cfg.train.epochs is not None:
-        limits.append(math.ceil(cfg.train.epochs * steps_per_epoch))
-    total_steps = min(limits)
-    stop_at = min(total_steps, cfg.train.halt_at_step or total_steps)
-    scheduler = build_scheduler_fn(optimizer, total_steps)
-    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-                                           model_parameters=[p for p in net.parameters() if p.requires_grad])
-    assert engine.grid.data_parallel_id == engine_grid_dp_rank, (engine.grid.data_parallel_id, engine_grid_dp_rank)
-    local = sum(p.numel() for p in net.parameters())
-    backend = {"distributed_type": "DEEPSPEED_PIPELINE", "num_processes": world, "pipeline_stages": stages,
-               "data_parallel_size": dp, "stage_id": engine.stage_id, "zero_stage": engine.zero_optimization_stage(),
-               "local_param_numel": local, "full_param_numel": full_param_numel, "params_sharded": local < full_param_numel,
-               "layers_per_stage": [int(b) - int(a) for a, b in zip(net.parts[:-1], net.parts[1:])]}
-    print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
+    # ------------------------------------------------------------ setup
+    def wrap(self, model):
+        """BERT cut into layers; this rank builds its stage's. Initialisation and pretrained
+        weights are exactly those of the Hugging Face model, as on the other backends."""
+        from deepspeed.pipe import PipelineModule
+        if not hasattr(model, "bert"):
+            raise ConfigError("the pipeline engine builds BERT models only (model_type bert)")
+        task = self.cfg.task
+        self.full_param_numel = sum(p.numel() for p in model.parameters())
+        self.model_class, self.model_config = type(model), model.config   # for the export
+        specs, self.names = layer_specs(model, task.kind)
+        loss_fn = mlm_loss if task.kind == "mlm" else classification_loss(task.num_labels)
+        self.net = PipelineModule(layers=specs, num_stages=self.stages, loss_fn=loss_fn,
+                                  partition_method=self.partition)
+        return self.net
 
-    state = {"step": 0, "history": {"train": [], "eval": []}}
-    checkpoint = resolve_resume(cfg.checkpoint.resume, output_dir) if cfg.checkpoint.resume else None
-    if checkpoint is not None:
-        engine.load_checkpoint(str(checkpoint), tag="engine")
-        state = json.loads((checkpoint / "train_state.json").read_text())
-        print0(f"[resume] from {checkpoint} at step {state['step']}")
+    def prepare(self, module, optimizer, scheduler, data, collate):
+        import copy
 
-    data_wait = [0.0]   # seconds this rank's engine spent waiting for the loader (first and last stage read it)
+        import deepspeed
+        from accelerate.data_loader import SeedableRandomSampler
+        from torch.utils.data import DataLoader
 
-    def batches(epoch: int, skip: int):
-        sampler.set_epoch(epoch)
-        collate.epoch = epoch
-        it = iter(loader)
-        for i in range(len(loader)):
-            t0 = time.perf_counter()
-            batch = next(it)
-            if i < skip:
+        from .data import Indexed, loader_kwargs
+        t = self.cfg.train
+        ds_config = {k: v for k, v in self.plan.ds_config.items() if k != "pipeline"}
+        ds_config.update(train_micro_batch_size_per_gpu=t.micro_batch_size, gradient_accumulation_steps=self.accum,
+                         train_batch_size=t.global_batch_size, gradient_clipping=self.cfg.optim.max_grad_norm)
+        for mode in ("bf16", "fp16"):
+            if isinstance(ds_config.get(mode), dict):
+                ds_config[mode] = {**ds_config[mode], "enabled": t.mixed_precision == mode}
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+            model_parameters=[p for p in module.parameters() if p.requires_grad])
+        self.replica = self.engine.grid.data_parallel_id   # PipeDataParallelTopology: data axis is fastest
+        assert self.replica == (self.rank % self.replicas if self.replicas > 1 else 0)
+        train_set = Indexed(data["train"])
+        self.sampler = SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.cfg.run.seed)
+        self.batch_sampler = _ReplicaBatches(self.sampler, t.micro_batch_size, self.replicas, self.replica)
+        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=False)
+        kwargs.pop("generator")   # the seedable sampler carries its own
+        self.loader = DataLoader(train_set, batch_sampler=self.batch_sampler, **kwargs)
+        self.eval_set, self.eval_collate = Indexed(data["eval"]), copy.copy(collate)
+        self.scheduler, self.counts_data = scheduler, self.engine.is_first_stage()
+        self.engine.train()
+
+    def describe(self) -> dict:
+        """Collective: every rank's stage and parameter count, so a test can check who owns what."""
+        local = sum(p.numel() for p in self.net.parameters())
+        parts = self.net.parts
+        info = {"name": self.name, "distributed_type": "DEEPSPEED_PIPELINE", "num_processes": self.num_processes,
+                "mixed_precision": self.cfg.train.mixed_precision, "pipeline_stages": self.stages,
+                "data_parallel_size": self.replicas, "stage_id": self.engine.stage_id,
+                "zero_stage": self.engine.zero_optimization_stage(), "local_param_numel": local,
+                "full_param_numel": self.full_param_numel, "params_sharded": local < self.full_param_numel,
+                "layers_per_stage": [int(b) - int(a) for a, b in zip(parts[:-1], parts[1:])]}
+        everyone = [None] * self.num_processes
+        self.dist.all_gather_object(everyone, {"stage_id": info["stage_id"], "local_param_numel": local})
+        return {**info, "ranks": everyone}
+
+    # ------------------------------------------------------------ training
+    def batches(self, epoch: int, skip: int):
+        self.sampler.set_epoch(epoch)
+        self.batch_sampler.skip = skip
+        return iter(self.loader)
+
+    def train_step(self, batches):
+        """`accum` micro batches through the pipeline (the first and last stages read them; DeepSpeed
+        clips, steps and schedules). -> (mean loss over the global batch, grad norm)."""
+        loss = self.engine.train_batch(data_iter=map(_as_inputs, batches))
+        return loss, self.engine.get_global_grad_norm()
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def evaluate(self) -> dict:
+        """Each replica takes every replicas-th sample; a short last batch is padded with repeats
+        (the pipeline's buffers have fixed shapes) and the repeats are dropped before the rows are
+        gathered, so every sample counts once."""
+        task, ds = self.cfg.task, self.eval_set
+        bs = self.cfg.train.eval_batch_size or self.cfg.train.micro_batch_size
+        mine = list(range(self.replica, len(ds), self.replicas))
+        n_batches = math.ceil(math.ceil(len(ds) / self.replicas) / bs)   # the same on every replica
+        rows: dict[str, list] = {}
+        self.engine.eval()
+        for b in range(n_batches):
+            idx = mine[b * bs:(b + 1) * bs]
+            valid = len(idx)
+            batch = self.eval_collate([ds[i] for i in idx + [idx[0] if idx else 0] * (bs - valid)])
+            _, logits = self.engine.eval_batch(iter([_as_inputs(batch)]), return_logits=True, num_micro_batches=1)
+            if not (self.engine.is_last_stage() and valid):
                 continue
-            data_wait[0] += time.perf_counter() - t0
-            inputs = (batch["input_ids"], batch["attention_mask"],
-                      batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
-            yield inputs, batch["labels"]
-
-    def run_eval() -> dict:
-        metrics = {"step": state["step"], **evaluate_pipeline(engine, cfg, data, collate, dp, engine.grid.data_parallel_id)}
-        state["history"]["eval"].append(metrics)
-        print0("[eval] " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        return metrics
-
-    def checkpoint_now():
-        save_checkpoint(output_dir, state["step"], state, config_yaml, cfg.checkpoint.keep_last,
-                        lambda path: engine.save_checkpoint(path, tag="engine"), is_main, dist.barrier)
-
-    engine.train()
-    watch = DataLoaderWatch(cfg.logging.dataloader_warn_share)
-    window_t0, window_losses, window_samples, window_tokens = time.perf_counter(), [], 0, 0
-    while state["step"] < stop_at:
-        epoch = state["step"] // steps_per_epoch
-        it = batches(epoch, (state["step"] - epoch * steps_per_epoch) * accum)
-        for _ in range(steps_per_epoch - (state["step"] - epoch * steps_per_epoch)):
-            loss = engine.train_batch(data_iter=it)   # accum micro-batches through the pipeline
-            state["step"] += 1
-            window_losses.append(float(loss))
-            window_samples += cfg.train.global_batch_size
-            window_tokens += cfg.train.global_batch_size * cfg.data.max_seq_length
-            step = state["step"]
-            if step % cfg.logging.log_every == 0 or step == total_steps:
-                elapsed = time.perf_counter() - window_t0
-                row = {"step": step, "epoch": round(step / steps_per_epoch, 3),
-                       "loss": sum(window_losses) / len(window_losses), "lr": engine.get_lr()[0],
-                       "grad_norm": float(engine.get_global_grad_norm() or float("nan")),
-                       "samples_per_sec": window_samples / elapsed, "padded_tokens_per_sec": window_tokens / elapsed,
-                       "step_time_s": elapsed / len(window_losses), "data_wait_share": data_wait[0] / elapsed}
-                row["mfu"] = flops_token * row["padded_tokens_per_sec"] / (peak * world)
-                _, warning = watch.verdict(row["data_wait_share"], len(window_losses), elapsed)
-                if warning:
-                    print0(warning)
-                state["history"]["train"].append(row)
-                print0(f"[train] step {step}/{total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
-                       f"| {row['padded_tokens_per_sec']:.0f} padded tok/s {row['samples_per_sec']:.1f} samples/s "
-                       f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
-                       f"data-wait {row['data_wait_share']:.0%} (rank 0)")
-                window_t0, window_losses, window_samples, window_tokens = time.perf_counter(), [], 0, 0
-                data_wait[0] = 0.0
-            t_aside = time.perf_counter()
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total_steps:
-                run_eval()
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total_steps:
-                checkpoint_now()
-            window_t0 += time.perf_counter() - t_aside   # eval and checkpoints are not training time
-            if step >= stop_at:
-                break
-
-    if state["step"] < total_steps:
-        checkpoint_now()
-        halted = {"steps": state["step"], "halted": True}
-        if is_main:
-            write_metrics(output_dir / "metrics.json", halted, state["history"], {"config": flat_dict(cfg)})
-        print0(f"[halt] stopped at step {state['step']}/{total_steps}; continue with --resume auto")
-        return halted
-    final = run_eval()
-    checkpoint_now()
-    export_pipeline(engine, net, names, cfg, tokenizer, build_model_fn, output_dir / "model", config_yaml, is_main)
-    rows = state["history"]["train"]
-    final = {**final, "steps": state["step"], "first_train_loss": rows[0]["loss"], "last_train_loss": rows[-1]["loss"],
-             "wall_time_s": time.perf_counter() - t_start, "num_processes": world,
-             "eval_dataset_size": len(data["eval"]), "distributed_type": "DEEPSPEED_PIPELINE",
-             "backend": gather_backend(backend, world)}
-    if is_main:
-        write_metrics(output_dir / "metrics.json", final, state["history"], {"config": flat_dict(cfg)})
-        if cfg.logging.plot:
-            plot_curves(output_dir / "curves.png", state["history"], f"{cfg.run.name} (pipeline)")
-    print0(f"[done] {state['step']} steps in {final['wall_time_s']:.0f}s; outputs in {output_dir}")
-    return final
-
-
-def gather_backend(backend: dict, world: int) -> dict:
-    """Every rank's stage and parameter count, so a test can check who owns what."""
-    import deepspeed.comm as dist
-    mine = {"stage_id": backend["stage_id"], "local_param_numel": backend["local_param_numel"]}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-    return {**backend, "ranks": everyone}
-
-
-def export_pipeline(engine, net, names, cfg, tokenizer, build_model_fn, out_dir: Path, config_yaml: str,
-                    is_main: bool) -> None:
-    """Gather every stage's weights onto rank 0 and write an ordinary Hugging Face model."""
-    import deepspeed.comm as dist
-    local = {}
-    if engine.grid.data_parallel_id == 0:   # one replica of each stage is enough
-        for key, value in net.state_dict().items():
-            hf = to_hf_name(key, names)
-            if hf is not None:
-                local[hf] = value.detach().float().cpu()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    if is_main:
-        state_dict = {}
-        for part in gathered:
-            state_dict.update(part)
-        model = build_model_fn(tokenizer)
-        missing, unexpected = model.load_state_dict(state_dict, strict=False)
-        tied_ok = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
-        if set(missing) - tied_ok or unexpected:
-            raise RuntimeError(f"pipeline export: missing {sorted(set(missing) - tied_ok)}, unexpected {unexpected}")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
-        (out_dir / "recipe.yaml").write_text(config_yaml)
-    dist.barrier()
-
-
-def evaluate_pipeline(engine, cfg, data, collate, dp: int, dp_rank: int) -> dict:
-    """Eval through the pipeline: each replica takes every dp-th sample; a short last batch is
-    padded with repeats (the pipeline's buffers have fixed shapes) and the repeats are dropped
-    before the metrics, so every sample counts once."""
-    import deepspeed.comm as dist
-    import numpy as np
-    from .data import Indexed
-    from .metrics import compute_metrics, default_metrics
-
-    ds = Indexed(data["eval"])
-    bs = cfg.train.eval_batch_size or cfg.train.micro_batch_size
-    mine = list(range(dp_rank, len(ds), dp))
-    n_batches = math.ceil(math.ceil(len(ds) / dp) / bs)   # the same on every replica
-    collate.epoch = 0
-    rows = []
-    engine.eval()
-    for b in range(n_batches):
-        idx = mine[b * bs:(b + 1) * bs]
-        valid = len(idx)
-        idx = idx + [idx[0] if idx else 0] * (bs - valid)
-        batch = collate([ds[i] for i in idx])
-        inputs = (batch["input_ids"], batch["attention_mask"],
-                  batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
-        _, logits = engine.eval_batch(iter([(inputs, batch["labels"])]), return_logits=True, num_micro_batches=1)
-        if engine.is_last_stage() and valid:
-            logits, labels = logits[:valid].float(), batch["labels"][:valid]
-            if cfg.task.kind == "mlm":
+            logits = logits[:valid].float()
+            labels = batch["labels"][:valid].to(logits.device)   # the engine moved only its own copy
+            if task.kind == "mlm":
                 token_loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
-                rows += list(zip(token_loss.sum(1).tolist(), (labels != -100).sum(1).tolist()))
-            elif cfg.task.num_labels == 1:
-                rows += list(zip(logits.squeeze(-1).tolist(), labels.tolist()))
+                found = {"loss_sums": token_loss.sum(1), "token_counts": (labels != -100).sum(1)}
             else:
-                rows += list(zip(logits.argmax(-1).tolist(), labels.tolist()))
-    engine.train()
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, rows)
-    rows = [r for part in everyone for r in part]
-    if cfg.task.kind == "mlm":
-        total, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
-        loss = total / max(count, 1)
-        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50)), "eval_samples": len(rows)}
-    preds, refs = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
-    out = compute_metrics(cfg.task.metrics or default_metrics(cfg.task.num_labels), preds, refs, cfg.task.num_labels)
-    return {**out, "eval_samples": len(rows)}
+                found = {"preds": logits.squeeze(-1) if task.num_labels == 1 else logits.argmax(-1), "refs": labels}
+            for key, value in found.items():
+                rows.setdefault(key, []).extend(value.tolist())
+        self.engine.train()
+        everyone = [None] * self.num_processes
+        self.dist.all_gather_object(everyone, rows)
+        return {key: sum((part.get(key, []) for part in everyone), []) for key in set().union(*everyone)}
+
+    # ------------------------------------------------------------ state
+    def save(self, path: str):
+        self.engine.save_checkpoint(path, tag="engine")
+
+    def load(self, path: str):
+        self.engine.load_checkpoint(str(path), tag="engine")
+
+    def export(self, out_dir: Path, tokenizer, config_yaml: str) -> Path:
+        """Gather every stage's weights onto rank 0 and write an ordinary Hugging Face model."""
+        local = {}
+        if self.replica == 0:   # one replica of each stage is enough
+            for key, value in self.net.state_dict().items():
+                hf = to_hf_name(key, self.names)
+                if hf is not None:
+                    local[hf] = value.detach().float().cpu()
+        gathered = [None] * self.num_processes
+        self.dist.all_gather_object(gathered, local)
+        if self.is_main:
+            state_dict = {k: v for part in gathered for k, v in part.items()}
+            model = self.model_class(self.model_config)
+            missing, unexpected = model.load_state_dict(state_dict, strict=False)
+            tied_ok = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
+            if set(missing) - tied_ok or unexpected:
+                raise RuntimeError(f"pipeline export: missing {sorted(set(missing) - tied_ok)}, unexpected {unexpected}")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(out_dir, safe_serialization=True)
+            tokenizer.save_pretrained(out_dir)
+            (out_dir / "recipe.yaml").write_text(config_yaml)
+        self.dist.barrier()
+        return out_dir
+
+    def final(self) -> dict:
+        from .perf import peak_memory_gb
+        return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, self.rank, self.num_processes, self.device),
+                "distributed_type": "DEEPSPEED_PIPELINE"}
+
+
+def _as_inputs(batch: dict):
+    """A collated batch as the pipeline passes it: ((input_ids, attention_mask, token_type_ids), labels)."""
+    ids = batch["input_ids"]
+    return (ids, batch["attention_mask"], batch.get("token_type_ids", torch.zeros_like(ids))), batch["labels"]

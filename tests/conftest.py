@@ -83,17 +83,10 @@ def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:
         GradientState._reset_state()
 
 
-BACKENDS_TSV = REPO / "accelerate_configs" / "backends.tsv"
-
-
-def backend_rows() -> dict[str, dict]:
-    """The backend matrix: the same table the Makefile reads."""
-    rows = {}
-    for line in BACKENDS_TSV.read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, config, ds_config, nprocs, kind = line.split("\t")
-            rows[name] = {"name": name, "config": config, "ds_config": ds_config, "nprocs": int(nprocs), "kind": kind}
-    return rows
+def backend_rows():
+    """The backend matrix: the same table the Makefile and tools/ read."""
+    from bert_recipes.backend import backend_rows as rows
+    return rows()
 
 
 def _port() -> int:
@@ -110,27 +103,22 @@ def launch_script(script: str, args: list[str], nproc: int, launcher: str = "acc
     FEASIBILITY: the obvious ones silently fall back); FSDP goes through tests/fsdp_cpu_harness.py."""
     bin_dir = Path(sys.executable).parent
     row = backend_rows()[backend]
-    base_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if row["kind"] == "fsdp":
+    plan = row.plan
+    base_env = row.cpu_launch_env({**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if plan.kind == "fsdp":
         base_env["HARNESS_SCRIPT"] = script
         script = "tests/fsdp_cpu_harness.py"
     args = [str(REPO / script)] + args
-    if row["kind"] == "deepspeed":
-        base_env.pop("ACCELERATE_USE_CPU", None)
-        base_env["DS_ACCELERATOR"] = "cpu"
-    else:
-        base_env["ACCELERATE_USE_CPU"] = "1"
     port = str(_port())
     if launcher == "torchrun":
         cmds = [[str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port] + args]
-    elif row["kind"] == "multinode":   # 2 "machines" x 1 process on 127.0.0.1
-        cmds = [[str(bin_dir / "accelerate"), "launch", "--config_file", str(REPO / row["config"]),
+    elif plan.num_machines > 1:   # 2 "machines" x 1 process on 127.0.0.1
+        cmds = [[str(bin_dir / "accelerate"), "launch", "--config_file", str(REPO / row.cpu_config),
                  "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
                  "--main_process_ip", "127.0.0.1", "--main_process_port", port] + args for rank in (0, 1)]
     else:
-        config = config or REPO / ("accelerate_configs/cpu.yaml" if row["kind"] == "ddp" else row["config"])
-        cmds = [[str(bin_dir / "accelerate"), "launch", "--config_file", str(config), "--num_processes", str(nproc),
-                 "--main_process_port", port] + args]
+        cmds = [[str(bin_dir / "accelerate"), "launch", "--config_file", str(config or REPO / row.cpu_config),
+                 "--num_processes", str(nproc), "--main_process_port", port] + args]
     procs = [subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in cmds]
     logs, codes = [], []

@@ -104,3 +104,46 @@ def test_fsdp_on_cpu_is_refused_not_run_as_ddp(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "asks for FSDP but Accelerate runs DistributedType.MULTI_CPU" in out.stdout + out.stderr
+
+
+def test_one_backend_vocabulary_for_every_row():
+    """Kind, ZeRO stage, offload and sharding come from each row's config files, read once by
+    LaunchPlan; the names are the Make targets (multinode is DDP over two machines)."""
+    from bert_recipes.backend import backend_rows
+    expected = {"ddp": ("ddp", 0, "none", False), "fsdp": ("fsdp", 0, "none", True),
+                "zero1": ("deepspeed", 1, "none", False), "zero2": ("deepspeed", 2, "none", False),
+                "zero2-offload": ("deepspeed", 2, "cpu", False), "zero3": ("deepspeed", 3, "none", True),
+                "zero3-offload": ("deepspeed", 3, "cpu", True), "zero3-nvme": ("deepspeed", 3, "nvme", True),
+                "multinode": ("ddp", 0, "none", False), "pipeline": ("pipeline", 1, "none", True)}
+    rows = backend_rows()
+    assert sorted(rows) == sorted(expected)
+    for name, row in rows.items():
+        plan = row.plan
+        assert (plan.kind, plan.zero_stage, plan.offload, plan.shards_params) == expected[name], name
+        assert plan.name == ("ddp" if name == "multinode" else name)
+        assert plan.num_machines == (2 if name == "multinode" else 1)
+
+
+def test_make_targets_use_the_tables_cpu_launch_rule():
+    """`make <mode> CPU=1` prefixes the row's cpu_env and launches its cpu_config: DeepSpeed rows get
+    DS_ACCELERATOR=cpu (never ACCELERATE_USE_CPU, which would silently turn them into DDP)."""
+    from bert_recipes.backend import backend_rows
+    for name, row in backend_rows().items():
+        if name == "multinode":
+            continue
+        line = subprocess.run(["make", "-n", name, "CPU=1"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip().splitlines()[-1]
+        assert line.startswith(row.cpu_env + " ") and f"--config_file {row.cpu_config} " in line, line
+        assert ("DS_ACCELERATOR=cpu" in line) == (row.plan.kind in ("deepspeed", "pipeline")), line
+        assert "ACCELERATE_USE_CPU" not in line or "DS_ACCELERATOR" not in line, line
+        gpu_line = subprocess.run(["make", "-n", name], cwd=REPO, capture_output=True, text=True,
+                                  check=True).stdout.strip().splitlines()[-1]
+        assert f"--config_file {row.config} " in gpu_line and "ACCELERATE_USE_CPU" not in gpu_line, gpu_line
+    env = backend_rows()["zero2"].cpu_launch_env({"ACCELERATE_USE_CPU": "1", "PATH": "/bin"})
+    assert env == {"DS_ACCELERATOR": "cpu", "PATH": "/bin"}
+
+
+def test_tools_do_not_import_train_py():
+    for path in (REPO / "tools").glob("*.py"):
+        text = path.read_text()
+        assert "from train import" not in text and "import train\n" not in text, path

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bert_recipes.backend import backend_rows   # noqa: E402
 SIZES = {   # model overrides; the recipe is tiny-mlm (embedded sample) resized
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
@@ -26,26 +28,17 @@ SIZES = {   # model overrides; the recipe is tiny-mlm (embedded sample) resized
 }
 
 
-def rows() -> list[dict]:
-    out = []
-    for line in (REPO / "accelerate_configs/backends.tsv").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, config, ds_config, nprocs, kind = line.split("\t")
-            out.append(dict(name=name, config=config, kind=kind))
-    return out
+def rows() -> list:
+    """The rows of accelerate_configs/backends.tsv (bert_recipes.backend.BackendRow)."""
+    return list(backend_rows().values())
 
 
 def run_row(row: dict, args, nproc: int, work: Path) -> dict:
-    out_dir = work / row["name"]
+    out_dir = work / row.name
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    config = row["config"]
-    if args.cpu:
-        if row["kind"] == "deepspeed":
-            env["DS_ACCELERATOR"] = "cpu"
-        else:
-            env["ACCELERATE_USE_CPU"] = "1"
-        if row["kind"] == "ddp":
-            config = "accelerate_configs/cpu.yaml"
+    config = row.config
+    if args.cpu:   # the CPU launch rule of the table: its variable and its config
+        env, config = row.cpu_launch_env(env), row.cpu_config
     overrides = [f"--run.output_dir={out_dir}", f"--train.max_steps={args.steps}", "--logging.progress_bar=false",
                  f"--logging.log_every={max(1, args.steps // 2)}", "--train.eval_every=null",
                  "--checkpoint.save_every=null", "--checkpoint.export=false", "--logging.trackers=[]",
@@ -57,21 +50,21 @@ def run_row(row: dict, args, nproc: int, work: Path) -> dict:
         overrides.append(f"--tokenizer.name_or_path={args.tokenizer}")
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(REPO / config),
            "--num_processes", str(nproc)]
-    if row["kind"] == "multinode":   # one node here: the same config as a single machine
+    if row.plan.num_machines > 1:   # one node here: the same config as a single machine
         cmd += ["--num_machines", "1", "--machine_rank", "0"]
     cmd += ["train.py", "--recipe", "recipes/tiny-mlm.yaml"] + overrides
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    (work / f"{row['name']}.log").write_text(proc.stdout + proc.stderr)
+    (work / f"{row.name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         last = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()][-1:]
-        return {"backend": row["name"], "status": f"FAILED ({last[0][:80] if last else proc.returncode})"}
+        return {"backend": row.name, "status": f"FAILED ({last[0][:80] if last else proc.returncode})"}
     args.tokenizer = getattr(args, "tokenizer", None) or str(out_dir / "tokenizer")
     m = json.loads((out_dir / "metrics.json").read_text())
     final, train = m["final"], m["history"]["train"]
     last = train[-1]
     peak = final.get("peak_memory_gb_per_rank")
-    return {"backend": row["name"], "status": "ok", "processes": final["num_processes"],
+    return {"backend": row.name, "status": "ok", "processes": final["num_processes"],
             "steps_per_s": 1.0 / last["step_time_s"], "tokens_per_s": last.get("padded_tokens_per_sec", float("nan")),
             "peak_gb": "/".join(f"{p:.1f}" for p in peak) if peak else "n/a (CPU)",
             "predicted_gb": final.get("predicted_peak_memory_gb") or float("nan"),
@@ -120,18 +113,18 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     results = []
     for row in rows():
-        if wanted and row["name"] not in wanted:
+        if wanted and row.name not in wanted:
             continue
-        if args.cpu and row["kind"] == "fsdp":
-            results.append({"backend": row["name"], "status": "skipped: Accelerate runs FSDP on GPUs only"})
+        if args.cpu and row.plan.kind == "fsdp":
+            results.append({"backend": row.name, "status": "skipped: Accelerate runs FSDP on GPUs only"})
             continue
-        if row["name"] == "zero3-nvme":
-            results.append({"backend": row["name"], "status": "skipped: set nvme_path in ds_configs/zero3_nvme.json"})
+        if row.name == "zero3-nvme":
+            results.append({"backend": row.name, "status": "skipped: set nvme_path in ds_configs/zero3_nvme.json"})
             continue
-        if row["name"] == "pipeline" and nproc % 2:
-            results.append({"backend": row["name"], "status": "skipped: 2 stages need an even process count"})
+        if row.name == "pipeline" and nproc % 2:
+            results.append({"backend": row.name, "status": "skipped: 2 stages need an even process count"})
             continue
-        print(f"[gpu-check] {row['name']} on {nproc} processes ...", flush=True)
+        print(f"[gpu-check] {row.name} on {nproc} processes ...", flush=True)
         results.append(run_row(row, args, nproc, work))
     device = "CPU" if args.cpu else torch.cuda.get_device_name(0)
     text = (f"gpu-check: BERT-{args.size}, seq {args.seq}, micro batch {args.micro}, {args.precision}, "

@@ -24,15 +24,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bert_recipes.backend import plan_from_config_file   # noqa: E402
 from bert_recipes.config import ConfigError, grad_accum_steps, load_config   # noqa: E402
-from bert_recipes.memory import (BACKENDS, GiB, Launch, Shape, activation_bytes, backend_name, fmt,  # noqa: E402
-                                 measure_activations, measure_states, plan_backend, predict_run, replicas,
-                                 step_precision, workload_of)
+from bert_recipes.memory import (BACKENDS, GiB, Launch, Shape, activation_bytes, fmt, launch_of,  # noqa: E402
+                                 measure_activations, measure_states, plan_backend, planner_row, predict_run,
+                                 replicas, step_precision, workload_of)
 
 CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: not usable by tensors
 
@@ -58,53 +57,18 @@ def recipe_shape(cfg) -> tuple[Shape, str | None]:
 
 
 # ----------------------------------------------------------------------------- the launch config
-def _numeric(value):
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def read_launch_config(path: str | None, world: int | None, device: str | None, precision: str) -> tuple[str, Launch]:
     """The backend, world size, device and DeepSpeed settings an accelerate YAML (and the JSON it
     names) would run; without a YAML, DDP on one CUDA device."""
     if path is None:
         return "ddp", Launch(world=world or 1, mixed_precision=precision, device=device or "cuda")
-    try:
-        config = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as err:
-        raise ConfigError(f"--config {path}: {err.strerror}")
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--config {path} is not valid YAML: {err}")
-    if not isinstance(config, dict):
-        raise ConfigError(f"--config {path} is not an accelerate config (expected a mapping)")
-    kind = str(config.get("distributed_type", "NO")).upper()
-    world = world or int(config.get("num_processes", 1))
-    device = device or ("cpu" if config.get("use_cpu") else "cuda")
-    backend, ds = "ddp", {}
-    if kind == "DEEPSPEED":
-        ds_file = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
-        if ds_file:
-            ds_path = Path(ds_file) if Path(ds_file).exists() else REPO / ds_file
-            try:
-                ds = json.loads(ds_path.read_text())
-            except (OSError, ValueError) as err:
-                raise ConfigError(f"--config {path}: cannot read its DeepSpeed JSON {ds_file}: {err}")
-        zero = ds.get("zero_optimization", {})
-        stage = int(zero.get("stage", 0))
-        offload = any((zero.get(k) or {}).get("device", "none") in ("cpu", "nvme")
-                      for k in ("offload_optimizer", "offload_param"))
-        if "pipeline" in ds:
-            backend = "pipeline"
-        elif stage in (2, 3):
-            backend = f"zero{stage}" + ("-offload" if offload else "")
-        elif stage == 1:
-            backend = "zero1"
-    elif kind == "FSDP":
-        backend = "fsdp"
-    zero = ds.get("zero_optimization", {})
-    return backend, Launch(world=world, mixed_precision=precision, device=device,
-                           stages=int(ds.get("pipeline", {}).get("stages", 2)),
-                           pipeline_zero=int(zero.get("stage", 1)) if "pipeline" in ds else 1,
-                           reduce_bucket=_numeric(zero.get("reduce_bucket_size")),
-                           prefetch_bucket=_numeric(zero.get("stage3_prefetch_bucket_size")))
+    plan = plan_from_config_file(path)
+    backend = planner_row(plan)
+    if backend is None:
+        raise ConfigError(f"--config {path} runs {plan.name}, which the planner does not model "
+                          f"(it models {', '.join(BACKENDS)})")
+    device = device or ("cpu" if plan.cpu else "cuda")
+    return backend, launch_of(plan, world or plan.num_processes or 1, precision, device)
 
 
 # ----------------------------------------------------------------------------- plan
@@ -211,18 +175,18 @@ def measure(args, cfg) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from train import build_accelerator
-    from bert_recipes.backend import describe, read_launch_plan
+    from bert_recipes.backend import build_accelerator, read_launch_plan
     from bert_recipes.modeling import build_model, model_config
     from bert_recipes.optim import build_optimizer
 
-    if read_launch_plan().pipeline:
+    launch_plan = read_launch_plan()
+    if launch_plan.pipeline:
         raise ConfigError("--measure runs the Accelerate backends (DDP, ZeRO, FSDP); the pipeline engine is not "
                           "measured (its row in the plan is a first-order estimate)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world
     out_dir = Path(cfg.run.output_dir)
-    accelerator, _ = build_accelerator(cfg, out_dir)
+    accelerator, _ = build_accelerator(cfg, launch_plan, out_dir)
     config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
     model = build_model(cfg.model, cfg.task, config=config)
     shape = Shape.from_config(config, cfg.task.kind)
@@ -283,10 +247,10 @@ def measure(args, cfg) -> dict:
     if torch.cuda.is_available():
         measured["peak_allocated"] = torch.cuda.max_memory_allocated()
 
-    info = describe(accelerator, model, shape.params)
-    backend = backend_name(info)
-    ds_plugin = accelerator.state.deepspeed_plugin
-    plan = predict_run(cfg, config, info, device.type, ds_plugin.deepspeed_config if ds_plugin else None, masked)
+    backend = planner_row(launch_plan)
+    if backend is None:
+        raise ConfigError(f"--measure: the planner does not model {launch_plan.name}")
+    plan = predict_run(cfg, config, launch_plan, world, device.type, masked_tokens=masked)
     # The saved-tensor count sees what autograd stores; a checkpointed layer rebuilt in backward is transient.
     stored = activation_bytes(shape, workload_of(cfg, config, masked_tokens=masked),
                               step_precision(backend, accelerator.mixed_precision), device.type,

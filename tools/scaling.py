@@ -33,9 +33,9 @@ def main():
     devices = (__import__("os").cpu_count() or 1) if args.cpu else torch.cuda.device_count()
     counts = [int(c) for c in args.counts.split(",")] if args.counts else \
         [2 ** k for k in range(8) if 2 ** k <= devices]
-    row = next((r for r in rows() if r["name"] == args.backend), None)
+    row = next((r for r in rows() if r.name == args.backend), None)
     if row is None:
-        sys.exit(f"unknown backend {args.backend!r}: one of {[r['name'] for r in rows()]}")
+        sys.exit(f"unknown backend {args.backend!r}: one of {[r.name for r in rows()]}")
     work = REPO / args.work / args.backend
     work.mkdir(parents=True, exist_ok=True)
     results = []

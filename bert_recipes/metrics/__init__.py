@@ -44,3 +44,21 @@ def majority_baseline(train_labels, eval_labels) -> float:
     import torch
     values, counts = torch.unique(torch.as_tensor(train_labels), return_counts=True)
     return float((torch.as_tensor(eval_labels) == values[counts.argmax()]).float().mean())
+
+
+def eval_metrics(task, rows: dict) -> dict[str, float]:
+    """The evaluation's metrics from every rank's rows, each sample once, whatever the engine:
+    mlm: rows = {"loss_sums", "token_counts"} per sample (so the loss is a mean over all tokens);
+    classification: rows = {"preds", "refs"}."""
+    import math
+
+    import numpy as np
+    if task.kind == "mlm":
+        counts = np.asarray(rows["token_counts"])
+        loss = float(np.sum(np.asarray(rows["loss_sums"], dtype=np.float64))) / max(int(counts.sum()), 1)
+        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50)), "eval_samples": len(counts)}
+    preds, refs = np.asarray(rows["preds"]), np.asarray(rows["refs"])
+    out = compute_metrics(task.metrics or default_metrics(task.num_labels), preds, refs, task.num_labels)
+    if task.num_labels == 1:
+        out["eval_loss"] = float(((preds - refs) ** 2).mean())
+    return {**out, "eval_samples": len(refs)}

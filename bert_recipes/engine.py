@@ -1,0 +1,188 @@
+"""Engines: what differs between running the recipe through Accelerate (DDP, ZeRO-1/2/3 with
+offload, FSDP2) and through DeepSpeed's pipeline engine, behind one small interface. train.py's
+loop names no backend; it calls, in order:
+
+    engine.wrap(model) -> module               what the optimizer sees (the pipeline: this rank's stage)
+    engine.prepare(module, optimizer, scheduler, data, collate)
+    engine.describe() -> dict                  what really runs (backend, stages, sharding)
+    engine.load(checkpoint_dir)                on resume
+    engine.batches(epoch, skip) -> iterator    this rank's micro batches of one epoch
+    engine.train_step(batches) -> (loss, grad_norm)
+                                               one optimizer step: `accum` micro batches, clipping,
+                                               the update and the schedule
+    engine.evaluate() -> rows                  per-sample rows of every rank (metrics.eval_metrics)
+    engine.save(dir)                           inside bert_recipes.checkpoint.save_checkpoint
+    engine.export(dir, tokenizer, config_yaml) a Hugging Face model with full weights
+    engine.final() -> dict                     end-of-run facts (rank checksums, peak memory, ranks)
+
+plus the communication helpers every loop needs (barrier, broadcast, all_sum) and the rank-0
+output (print0, log). The pipeline engine lives in bert_recipes/pipeline.py.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .backend import LaunchPlan, build_accelerator, describe, rank_checksums
+from .checkpoint import export_model
+from .config import Config
+from .data import Indexed, loader_kwargs
+from .perf import peak_memory_gb
+
+
+def build_engine(cfg: Config, plan: LaunchPlan, output_dir: Path):
+    """The pipeline engine when the DeepSpeed JSON has a `pipeline` section (Accelerate has no
+    pipeline parallelism for training); Accelerate for everything else."""
+    if plan.pipeline:
+        from .pipeline import PipelineEngine
+        return PipelineEngine(cfg, plan, output_dir)
+    return AccelerateEngine(cfg, plan, output_dir)
+
+
+class AccelerateEngine:
+    """DDP, ZeRO-1/2/3 (+ CPU/NVMe offload) and FSDP2: whichever the launch config names.
+    Creating it starts the process group and checks the recipe against the launch config."""
+
+    counts_data = True       # every rank reads its own batches
+    fixed_length = None      # dynamic padding
+
+    def __init__(self, cfg: Config, plan: LaunchPlan, output_dir: Path):
+        self.cfg, self.plan, self.name = cfg, plan, plan.name
+        self.accelerator, self.accum = build_accelerator(cfg, plan, output_dir)
+        a = self.accelerator
+        self.is_main, self.is_local_main = a.is_main_process, a.is_local_main_process
+        self.num_processes = self.replicas = a.num_processes
+        self.device = a.device
+        self.setup_line = (f"{a.distributed_type} x{a.num_processes} on {a.device}, precision={a.mixed_precision}; "
+                           f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
+                           f"accum {self.accum} x world {a.num_processes}")
+
+    # ------------------------------------------------------------ communication and output
+    def print0(self, *args):
+        self.accelerator.print(*args)
+
+    def barrier(self):
+        self.accelerator.wait_for_everyone()
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        from accelerate.utils import broadcast_object_list
+        return broadcast_object_list([obj])[0]
+
+    def all_sum(self, tensor):
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def start_trackers(self, run_name: str, config: dict):
+        self.accelerator.init_trackers(run_name, config=config)
+
+    def log(self, values: dict, step: int):
+        self.accelerator.log(values, step=step)
+
+    def finish(self):
+        self.accelerator.end_training()
+
+    # ------------------------------------------------------------ setup
+    def wrap(self, model):
+        self.full_param_numel = sum(p.numel() for p in model.parameters())
+        return model
+
+    def prepare(self, module, optimizer, scheduler, data, collate):
+        from torch.utils.data import DataLoader
+        t = self.cfg.train
+        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=torch.cuda.is_available())
+        train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, shuffle=True,
+                                  drop_last=True, **kwargs)
+        eval_loader = DataLoader(Indexed(data["eval"]), batch_size=t.eval_batch_size or t.micro_batch_size,
+                                 **{**kwargs, "collate_fn": copy.copy(collate)})   # masks of epoch 0, always
+        # The schedule wraps the torch optimizer itself, before prepare: ZeRO keeps that optimizer
+        # (and its param_groups) inside its own.
+        self.model, self.optimizer, self.train_loader, self.eval_loader = self.accelerator.prepare(
+            module, optimizer, train_loader, eval_loader)
+        expected = len(data["train"]) // t.micro_batch_size // self.num_processes   # config.optimizer_steps' count
+        assert len(self.train_loader) == expected, (len(self.train_loader), expected)
+        self.accelerator.register_for_checkpointing(scheduler)
+        self.scheduler, self.collate = scheduler, collate
+        self.max_grad_norm = self.cfg.optim.max_grad_norm or float("inf")   # inf: measure the norm, never clip
+        self.model.train()
+
+    def describe(self) -> dict:
+        return {"name": self.name, **describe(self.accelerator, self.model, self.full_param_numel)}
+
+    # ------------------------------------------------------------ training
+    def batches(self, epoch: int, skip: int):
+        """This rank's micro batches of `epoch` (Accelerate's seedable sampler shards batch i to
+        rank i % world), the first `skip` left out at the sampler, so nothing is collated twice."""
+        self.train_loader.set_epoch(epoch)
+        loader = self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
+        loader.set_epoch(epoch)   # the skipping loader is new: give it the epoch, or it reshuffles as epoch 0
+        return iter(loader)
+
+    def train_step(self, batches):
+        """`accum` micro batches, then clip, step and schedule. -> (mean loss tensor, grad norm)."""
+        a, losses, grad_norm = self.accelerator, [], None
+        for _ in range(self.accum):
+            batch = next(batches)
+            with a.accumulate(self.model):   # syncs gradients on the last micro batch only
+                loss = self.model(**batch).loss
+                a.backward(loss)
+                if a.sync_gradients:
+                    grad_norm = a.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        assert a.sync_gradients, "the loop and Accelerate disagree on the accumulation boundary"
+        if not a.optimizer_step_was_skipped:   # fp16 overflow: the update was skipped, keep the lr
+            self.scheduler.step()
+        return torch.stack(losses).float().mean(), grad_norm
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Every eval sample once: gather_for_metrics drops the duplicates that even batching adds
+        to the last batch. -> rows for metrics.eval_metrics."""
+        a, task = self.accelerator, self.cfg.task
+        self.model.eval()
+        rows: dict[str, list] = {}
+        for batch in self.eval_loader:
+            logits, labels = self.model(**batch).logits, batch["labels"]
+            if task.kind == "mlm":   # per-sample loss sums, so the mean is over tokens of all ranks
+                selected = labels != -100
+                if logits.dim() == 2:    # sparse head: one row per selected token
+                    token_loss = F.cross_entropy(logits.float(), labels[selected], reduction="none")
+                    per_sample = torch.zeros(len(labels), device=logits.device).index_add_(
+                        0, selected.nonzero()[:, 0], token_loss)
+                else:
+                    per_sample = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none").sum(1)
+                found = {"loss_sums": per_sample, "token_counts": selected.sum(1)}
+            else:
+                preds = logits.squeeze(-1).float() if task.num_labels == 1 else logits.argmax(-1)
+                found = {"preds": preds, "refs": labels}
+            gathered = a.gather_for_metrics(tuple(found.values()))
+            for key, value in zip(found, gathered):
+                rows.setdefault(key, []).append(value.cpu())
+        self.model.train()
+        return {k: torch.cat(v).double().numpy() if k == "loss_sums" else torch.cat(v).numpy()
+                for k, v in rows.items()}
+
+    # ------------------------------------------------------------ state
+    def save(self, path: str):
+        """Model, optimizer, the registered scheduler and every rank's RNG."""
+        self.accelerator.save_state(path)
+
+    def load(self, path: str):
+        self.accelerator.load_state(str(path))
+
+    def export(self, out_dir: Path, tokenizer, config_yaml: str) -> Path:
+        return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml)
+
+    def final(self) -> dict:
+        """Collective: every rank's peak memory (GPUs) and full-weight checksum."""
+        a = self.accelerator
+        return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, a.process_index, a.num_processes, a.device),
+                "rank_checksums": rank_checksums(a, self.model),
+                "distributed_type": str(a.distributed_type)}
