@@ -15,6 +15,9 @@ export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
+# The launcher (torch's elastic agent) forwards these to the training processes, which then save a
+# checkpoint and exit (SIGUSR1: SLURM's --signal=USR1@120; without it the launcher would just die).
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
 .PHONY: help setup demo test env-check allreduce scaling memory gpu-check print-config clean
 
@@ -50,7 +53,8 @@ test: setup  ## run the test suite (CPU, offline)
 # the same file): CPU=1 takes a row's cpu_config and prefixes its cpu_env.
 BACKENDS := accelerate_configs/backends.tsv
 MODES    := $(shell awk -F'\t' '!/^\#/ {print $$1}' $(BACKENDS))
-SINGLE_HOST_MODES := $(filter-out multinode,$(MODES))
+MULTI_NODE_MODES  := $(filter multinode%,$(MODES))
+SINGLE_HOST_MODES := $(filter-out multinode%,$(MODES))
 col       = $(shell awk -F'\t' '$$1=="$(1)" {print $$$(2)}' $(BACKENDS))
 NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2))
 CPU_ENV   = $(if $(CPU),$(call col,$@,4))
@@ -61,16 +65,20 @@ modes:  ## list the parallelism targets: make <mode> [CPU=1] [RECIPE=...] [NPROC
 	@awk -F'\t' '!/^\#/ {printf "  make %-14s %s\n", $$1, $$2}' $(BACKENDS)
 
 $(SINGLE_HOST_MODES): setup
+	@$(PY) -m bert_recipes.backend $(MODE_CONFIG)
 	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 
-multinode: setup  ## on each node: make multinode MACHINE_RANK=<0|1> MAIN_IP=<main node ip>; CPU=1 runs 2 "nodes" on 127.0.0.1
+# Multi-node rows: on each node, make multinode[-zero3] MACHINE_RANK=<0|1> MAIN_IP=<main node ip> (or use
+# slurm/, which fills these in from SLURM's variables). CPU=1 runs 2 "nodes" x 1 process on 127.0.0.1.
+$(MULTI_NODE_MODES): setup
+	@$(PY) -m bert_recipes.backend $(MODE_CONFIG)
 ifdef CPU
-	$(call col,multinode,4) $(ACCEL) launch --config_file accelerate_configs/multinode.yaml --num_machines 2 --num_processes 2 \
+	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) --num_machines 2 --num_processes 2 \
 		--machine_rank 1 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS) & \
-	$(call col,multinode,4) $(ACCEL) launch --config_file accelerate_configs/multinode.yaml --num_machines 2 --num_processes 2 \
+	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) --num_machines 2 --num_processes 2 \
 		--machine_rank 0 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS); wait
 else
-	$(ACCEL) launch --config_file $(or $(CONFIG),accelerate_configs/multinode.yaml) --machine_rank $(MACHINE_RANK) \
+	$(ACCEL) launch --config_file $(MODE_CONFIG) --machine_rank $(MACHINE_RANK) \
 		$(if $(MAIN_IP),--main_process_ip $(MAIN_IP)) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 endif
 

@@ -13,7 +13,9 @@ Reads top to bottom: config -> engine -> data -> model -> optimizer -> prepare -
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,14 +27,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads 
 import torch
 
 from bert_recipes.backend import read_launch_plan
-from bert_recipes.checkpoint import read_train_state, resolve_resume, save_checkpoint
-from bert_recipes.config import Config, ConfigError, flat_dict, load_config, optimizer_steps, to_yaml, validate
+from bert_recipes.checkpoint import (check_output_dir, read_train_state, resolve_resume, save_checkpoint,
+                                     start_output_dir)
+from bert_recipes.config import (Config, ConfigError, flat_dict, load_config, optimizer_steps, schedule_warnings,
+                                 to_yaml, validate)
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
+from bert_recipes.guard import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard, all_max,
+                                first_line, is_collective_timeout, preempted_exit_code)
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
-from bert_recipes.modeling import build_model, count_parameters
+from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
 from bert_recipes.perf import DataLoaderWatch, flops_per_token, peak_flops, profile_table, start_profiler
 
@@ -57,6 +63,9 @@ class Run:
     backend: dict             # engine.describe()
     baseline: float | None    # majority-class accuracy on the eval set
     state: dict = field(default_factory=lambda: {"step": 0, "history": {"train": [], "eval": []}})
+    preemption: Preemption = field(default_factory=Preemption)
+    stop_signal: int = 0           # the signal every rank agreed to stop on (0: none)
+    guard: StepGuard | None = None
 
 
 def main(cfg: Config) -> dict:
@@ -67,6 +76,9 @@ def main(cfg: Config) -> dict:
     validate(cfg)
     output_dir = Path(cfg.run.output_dir)
     config_yaml = to_yaml(cfg)
+    # Nothing is written to output_dir until every check has passed (just before the loop); an
+    # output_dir holding another run's checkpoints is refused here (run.overwrite to replace it).
+    resume_notes = check_output_dir(output_dir, config_yaml, cfg.checkpoint.resume, cfg.run.overwrite)
 
     # -------------------------------------------------------------------- engine
     # The launch plan (accelerate YAML + DeepSpeed JSON) is read once. Building the engine starts the
@@ -75,13 +87,21 @@ def main(cfg: Config) -> dict:
     engine = build_engine(cfg, plan, output_dir)
     print0 = engine.print0
     set_seed(cfg.run.seed)
-    if engine.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(config_yaml)
-    print0(f"[setup] {plan.name}: {engine.setup_line}")
+    print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
+           f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
+    # Rank 0 picks the checkpoint and tells the others: ranks may see the disk at different times.
+    checkpoint, notes = engine.broadcast(resolve_resume(cfg.checkpoint.resume, output_dir) if engine.is_main else None)
+    for note in resume_notes + notes:
+        print0(note)
 
     # -------------------------------------------------------------------- data
-    tokenizer, data, collate = prepare_data(cfg, output_dir, engine.is_main, engine.barrier, engine.fixed_length)
+    check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
+    label_names = cfg.task.label_names
+    tokenizer, data, collate = prepare_data(cfg, output_dir, engine.is_main, engine.prep_barrier, engine.fixed_length)
+    if cfg.task.label_names != label_names:   # text labels, sorted: now part of the run's config
+        config_yaml = to_yaml(cfg)
+        print0(f"[data] text labels, in sorted order: {dict(enumerate(cfg.task.label_names))} (set task.label_names "
+               "to choose the order)")
     print0(f"[data] {len(data['train'])} train / {len(data['eval'])} eval sequences, max {cfg.data.max_seq_length} "
            f"tokens, vocab {len(tokenizer)}")
 
@@ -96,6 +116,8 @@ def main(cfg: Config) -> dict:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
            f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, {cfg.optim.decay} decay")
+    for warning in schedule_warnings(cfg, total_steps):
+        print0(warning)
 
     # -------------------------------------------------------------------- prepare
     engine.prepare(module, optimizer, scheduler, data, collate)
@@ -117,17 +139,23 @@ def main(cfg: Config) -> dict:
               memory_plan.peak / 1e9 if memory_plan is not None else float("nan"), backend, baseline)
 
     # -------------------------------------------------------------------- resume
-    # Rank 0 decides and tells the others: ranks may see the disk at different times.
-    checkpoint = engine.broadcast(resolve_resume(cfg.checkpoint.resume, output_dir) if engine.is_main else None)
     if checkpoint is not None:
         engine.load(checkpoint)
         run.state = read_train_state(checkpoint)
         print0(f"[resume] from {checkpoint} at step {run.state['step']}")
+    if engine.is_main:   # every check has passed: the run starts writing
+        start_output_dir(output_dir, config_yaml, cfg.run.overwrite, cfg.checkpoint.resume)
+        tokenizer.save_pretrained(output_dir / "tokenizer")
+    engine.barrier()
     engine.start_trackers(cfg.run.name, flat_dict(cfg))
 
     # -------------------------------------------------------------------- loop, save
-    train(run)
-    return finish(run, time.perf_counter() - t_start)
+    run.preemption.install()   # from here a SIGTERM / SIGUSR1 means: finish the step, save, exit
+    try:
+        train(run)
+        return finish(run, time.perf_counter() - t_start)
+    finally:   # after a stop signal the process is about to exit: later signals stay ignored
+        run.preemption.uninstall(ignore_from_now=bool(run.stop_signal))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -142,28 +170,37 @@ def train(run: Run) -> None:
     profiler = start_profiler(run.output_dir) if cfg.logging.profile else None
     bar = tqdm(total=run.total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
                disable=not (engine.is_local_main and cfg.logging.progress_bar))
-    while state["step"] < run.stop_at:
+    guard = run.guard = StepGuard(cfg.train.max_bad_steps, state.get("skipped_steps", 0))
+    while state["step"] < run.stop_at and not run.stop_signal:
         epoch, done = divmod(state["step"], run.steps_per_epoch)
         run.collate.epoch = epoch   # MLM masks are a function of (seed, epoch, example)
         batches = meter.feed(engine.batches(epoch, skip=done * engine.accum))
         for _ in range(run.steps_per_epoch - done):
-            loss, grad_norm = engine.train_step(batches)
+            loss, grad_norm, applied = engine.train_step(batches)
             state["step"] += 1
             meter.add_step(loss)
             bar.update(1)
             if profiler is not None:
                 profiler.step()
             step = state["step"]
+            # One small CPU all-reduce per step: a stop signal any rank got, a non-finite loss on any rank.
+            run.stop_signal, bad_loss = map(int, all_max([run.preemption.received, not math.isfinite(float(loss))],
+                                                         engine.control))
+            note = guard.after_step(step, applied and not bad_loss, float(loss), grad_norm, engine.lr())
+            state["skipped_steps"] = guard.skipped_total
+            if note:
+                engine.print0(note)
             if step % cfg.logging.log_every == 0 or step == run.total_steps:
                 row = log_step(run, meter.read(engine.all_sum, engine.device), grad_norm, watch)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             t_aside = time.perf_counter()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < run.total_steps:
                 run_eval(run)
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < run.total_steps:
+            if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < run.total_steps
+                    and not run.stop_signal):
                 checkpoint_now(run)
             meter.exclude(time.perf_counter() - t_aside)   # eval and checkpoints are not training time
-            if step >= run.stop_at:
+            if step >= run.stop_at or run.stop_signal:
                 break
     bar.close()
     if profiler is not None:
@@ -204,7 +241,13 @@ def run_eval(run: Run) -> dict:
 
 
 def checkpoint_now(run: Run) -> None:
+    """A checkpoint at this step, unless the last step was not finite: a diverging state never
+    replaces the last good checkpoint."""
     engine = run.engine
+    if run.guard is not None and run.guard.streak:
+        engine.print0(f"[checkpoint] not saved at step {run.state['step']}: the last {run.guard.streak} steps were "
+                      "not finite; the previous checkpoint stays the latest")
+        return
     save_checkpoint(run.output_dir, run.state["step"], run.state, run.config_yaml, run.cfg.checkpoint.keep_last,
                     engine.save, engine.is_main, engine.barrier)
 
@@ -214,11 +257,17 @@ def finish(run: Run, wall_time_s: float) -> dict:
     """Halted: a checkpoint to resume from. Done: the last evaluation, a checkpoint, the export,
     metrics.json, curves.png and the summary lines."""
     cfg, engine, state, print0 = run.cfg, run.engine, run.state, run.engine.print0
-    if state["step"] < run.total_steps:   # halted early on purpose: save and leave the rest to --resume auto
+    if state["step"] < run.total_steps:   # halted or preempted: save and leave the rest to --resume auto
         checkpoint_now(run)
-        print0(f"[halt] stopped at step {state['step']}/{run.total_steps} as train.halt_at_step asks; "
-               f"checkpoint saved, continue with --resume auto")
         halted = {"steps": state["step"], "halted": True}
+        if run.stop_signal:
+            name = signal.Signals(run.stop_signal).name
+            halted.update(preempted=name, exit_code=preempted_exit_code(run.stop_signal))
+            print0(f"[preempt] {name} received: every rank stopped after step {state['step']}/{run.total_steps}, "
+                   f"checkpoint saved; exiting with code {halted['exit_code']}; continue with --resume auto")
+        else:
+            print0(f"[halt] stopped at step {state['step']}/{run.total_steps} as train.halt_at_step asks; "
+                   f"checkpoint saved, continue with --resume auto")
         if engine.is_main:
             write_metrics(run.output_dir / "metrics.json", halted, state["history"], {"config": flat_dict(cfg)})
         engine.finish()
@@ -237,6 +286,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
              "wall_time_s": wall_time_s, "num_processes": engine.num_processes,
              "eval_dataset_size": run.eval_dataset_size,
              "predicted_peak_memory_gb": None if predicted != predicted else predicted,
+             "skipped_steps": state.get("skipped_steps", 0),
              **engine.final(), "backend": run.backend}
     if run.baseline is not None:
         final["majority_baseline_accuracy"] = run.baseline
@@ -265,7 +315,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     overrides = []
     for item in rest:
         if not item.startswith("--") or "=" not in item:
-            parser.error(f"unrecognized argument {item!r}: overrides look like --section.key=value")
+            raise ConfigError(f"unrecognized argument {item!r}: overrides look like --section.key=value "
+                              "(e.g. --train.max_steps=100)")
         overrides.append(item[2:])
     if args.resume:
         overrides.append(f"checkpoint.resume={args.resume}")
@@ -274,20 +325,49 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     return load_config(args.recipe, overrides), args.print_config
 
 
-if __name__ == "__main__":
+def run_cli(argv: list[str] | None = None) -> int:
+    """train.py's exit codes: 0 done (or halted at train.halt_at_step), 2 a config or input error,
+    3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 128 + signal
+    when preempted (143 SIGTERM, 138 SIGUSR1). Messages for 2-4 come once, from rank 0 (4: from
+    the rank that saw it), without a traceback."""
+    rank, cfg = int(os.environ.get("RANK", "0")), Config()
     try:
-        cfg, print_only = parse_args()
+        cfg, print_only = parse_args(argv)
         if print_only:
             validate(cfg)
             print(to_yaml(cfg), end="")
-            sys.exit(0)
-        main(cfg)
+            return 0
+        return main(cfg).get("exit_code", 0)
     except ConfigError as e:
-        sys.exit(f"config error: {e}")
+        if rank == 0:
+            print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except FileNotFoundError as e:   # a path the recipe names (resume, data)
+        if rank == 0:
+            print(f"config error: {first_line(e)}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Diverged as e:
+        if rank == 0:
+            print(str(e), file=sys.stderr)
+        return EXIT_DIVERGED
+    except (RuntimeError, TimeoutError) as e:
+        if not is_collective_timeout(e):
+            raise
+        print(f"[rank {rank}] a collective gave up: {first_line(e)}. A rank is stuck or was lost: every collective "
+              f"waits at most train.collective_timeout_s={cfg.train.collective_timeout_s:g}s (data preparation at most "
+              f"data.prepare_timeout_s={cfg.data.prepare_timeout_s:g}s). Check the other ranks' logs and their nodes; "
+              "continue with --resume auto", file=sys.stderr)
+        return EXIT_TIMEOUT
+
+
+if __name__ == "__main__":
+    code = run_cli()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Everything is written. Wait for every rank, then leave without tearing gloo down: its
-        # worker threads, in destroy_process_group as in the interpreter's finalization, can abort
-        # a finished run ("terminate called without an active exception", SIGABRT; seen in CI).
-        torch.distributed.barrier()
+        # Leave without tearing gloo down: its worker threads, in destroy_process_group as in the
+        # interpreter's finalization, can abort a finished run ("terminate called without an active
+        # exception", SIGABRT; seen in CI). A finished run first waits for every rank.
+        if code == 0:
+            torch.distributed.barrier()
         sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    sys.exit(code)

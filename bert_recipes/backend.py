@@ -13,11 +13,12 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from .config import Config, ConfigError, grad_accum_steps
+from .config import Config, ConfigError, grad_accum_steps, yaml_problem
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS_TSV = REPO / "accelerate_configs" / "backends.tsv"
@@ -110,7 +111,7 @@ def plan_from_config_file(path: str | Path) -> LaunchPlan:
         raise ConfigError(f"accelerate config {path}: {err.strerror}; pass an existing file "
                           "(see accelerate_configs/)") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"accelerate config {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"accelerate config {path} is not valid YAML: {yaml_problem(err)}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"accelerate config {path} is not a mapping of settings (see accelerate_configs/)")
     kind = str(config.get("distributed_type", "NO")).upper()
@@ -231,6 +232,8 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
                          "in fp32. Use bf16 (supported on CPU) or no")
     if t.mixed_precision == "bf16" and has_cuda and not torch.cuda.is_bf16_supported():
         conflicts.append("train.mixed_precision=bf16 but this GPU has no bf16 (pre-Ampere): use fp16")
+    if len(conflicts) == 1:
+        raise ConfigError(f"the launch config conflicts with the recipe: {conflicts[0]}")
     if conflicts:
         raise ConfigError("the launch config conflicts with the recipe:\n  - " + "\n  - ".join(conflicts))
 
@@ -269,10 +272,10 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     accum = grad_accum_steps(cfg.train, world_size)
     check_consistency(cfg, plan, world_size, accum, torch.cuda.is_available())
-    handlers = []
-    if world_size > 1 and not torch.cuda.is_available():
-        # Without this, Accelerate leaves the backend unset for DeepSpeed on CPU and sees 1 process.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    # Every collective gives up after train.collective_timeout_s (a stuck rank, a lost node). On CPU
+    # the backend must be named: otherwise Accelerate leaves it unset for DeepSpeed and sees 1 process.
+    handlers = [] if world_size == 1 else [InitProcessGroupKwargs(
+        backend=None if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
     trackers = check_trackers(cfg.logging.trackers)
     accelerator = Accelerator(
         mixed_precision=cfg.train.mixed_precision,
@@ -282,7 +285,8 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
         step_scheduler_with_optimizer=False,   # the engine steps the schedule once per optimizer step
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # non_blocking: pinned batches are copied to the GPU without making the host wait
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=cfg.data.pin_memory),
         kwargs_handlers=handlers,
     )
     check_engaged(accelerator, plan)
@@ -361,3 +365,13 @@ def rank_checksums(accelerator, model) -> list[list[float]]:
                                sum(float(t.double().abs().sum()) for t in tensors)]],
                              dtype=torch.float64, device=accelerator.device)
     return accelerator.gather(local).tolist()
+
+
+if __name__ == "__main__":   # `make <mode>` checks its accelerate config before launching anything
+    import sys
+    try:
+        for path in sys.argv[1:]:
+            plan_from_config_file(path)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)

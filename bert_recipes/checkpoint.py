@@ -2,7 +2,10 @@
 
 A checkpoint is written to `step_XXXXXXXX.partial/` and renamed once every rank has
 finished, so a crash mid-save never leaves something `--resume auto` would pick up.
-Old checkpoints are pruned only after the new one is complete.
+Old checkpoints are pruned only after the new one is complete. Each checkpoint carries a
+manifest (size and CRC-32 of every file): `--resume auto` skips a damaged one (a truncated or
+overwritten file) for the previous complete checkpoint and says so; an explicit resume path that
+does not verify is refused with the file named.
 """
 from __future__ import annotations
 
@@ -10,11 +13,15 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
+
+from .config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "train_state.json"
 CONFIG_FILE = "config.yaml"
+MANIFEST_FILE = "manifest.json"
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -31,24 +38,74 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
-    """None -> None; 'auto' -> latest complete checkpoint or None; a path -> that checkpoint."""
-    if resume is None:
+# ---------------------------------------------------------------------------- integrity
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(directory: Path) -> None:
+    """Size and CRC-32 of every file below `directory` (read back from the page cache: ~1 GB/s)."""
+    files = {str(p.relative_to(directory)): [p.stat().st_size, _crc32(p)]
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    (directory / MANIFEST_FILE).write_text(json.dumps(files, indent=0))
+
+
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint, or None when every file matches its manifest (checkpoints
+    written before manifests existed are taken as they are)."""
+    manifest = checkpoint / MANIFEST_FILE
+    if not manifest.exists():
         return None
+    try:
+        files = json.loads(manifest.read_text())
+    except ValueError:
+        return f"{manifest} is not valid JSON"
+    for name, (size, crc) in files.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} were written"
+        if _crc32(path) != crc:
+            return f"{path} does not match the checksum written with it (corrupted)"
+    return None
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """-> (checkpoint to resume from, notes to print). None -> nothing; 'auto' -> the latest complete
+    checkpoint that verifies (skipping damaged ones, with a note each); a path -> that checkpoint."""
+    if resume is None:
+        return None, []
     if resume == "auto":
-        found = complete_checkpoints(output_dir)
-        return found[-1] if found else None
+        notes = []
+        for candidate in reversed(complete_checkpoints(output_dir)):
+            problem = damage(candidate)
+            if problem is None:
+                return candidate, notes
+            notes.append(f"[resume] skipping damaged checkpoint {candidate.name}: {problem}")
+        if notes:
+            notes.append("[resume] no intact checkpoint left: starting from scratch")
+        return None, notes
     path = Path(resume)
     if not (path / STATE_FILE).exists():
-        raise FileNotFoundError(f"checkpoint.resume={resume}: not a complete checkpoint (no {STATE_FILE})")
-    return path
+        raise FileNotFoundError(f"checkpoint.resume={resume}: not a complete checkpoint (no {STATE_FILE}); "
+                                f"use --resume auto or a step_XXXXXXXX directory under <output_dir>/checkpoints")
+    problem = damage(path)
+    if problem is not None:
+        raise ConfigError(f"checkpoint.resume={resume} is damaged: {problem}; pick an earlier checkpoint or "
+                          "use --resume auto, which skips damaged ones")
+    return path, []
 
 
 def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config_yaml: str, keep_last: int,
                     save_state, is_main: bool, barrier) -> Path:
-    """save_state(dir) on every rank (accelerator.save_state: model, optimizer, registered scheduler,
-    RNG of every rank; or the pipeline engine's save_checkpoint), plus the loop's own state and the
-    resolved config; then atomically publish and prune."""
+    """save_state(dir) on every rank (the engine's: model, optimizer, schedule, RNG of every rank;
+    or the pipeline engine's checkpoint), plus the loop's own state, the resolved config and the
+    manifest; then atomically publish and prune."""
     root = checkpoint_root(output_dir)
     final = root / f"step_{step:08d}"
     partial = root / f"step_{step:08d}.partial"
@@ -60,7 +117,8 @@ def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config
     barrier()
     if is_main:
         (partial / CONFIG_FILE).write_text(config_yaml)
-        (partial / STATE_FILE).write_text(json.dumps(train_state))
+        write_manifest(partial)
+        (partial / STATE_FILE).write_text(json.dumps(train_state))   # last: marks the checkpoint complete
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -73,6 +131,58 @@ def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config
 def read_train_state(path: Path) -> dict:
     """The loop's own state saved with a checkpoint: step and history."""
     return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+# ---------------------------------------------------------------------------- the output directory
+_NOT_THE_RUN = {"checkpoint.resume", "run.overwrite", "run.output_dir", "train.halt_at_step", "logging.progress_bar"}
+
+
+def config_differences(old_yaml: str, new_yaml: str) -> list[str]:
+    """'section.key: old -> new' for every setting that differs (ignoring those that only steer
+    this invocation: resume, overwrite, where the directory is, halt_at_step, the progress bar)."""
+    import yaml
+    old, new = yaml.safe_load(old_yaml) or {}, yaml.safe_load(new_yaml) or {}
+    flat = lambda d: {f"{s}.{k}": v for s, section in d.items() if isinstance(section, dict)   # noqa: E731
+                      for k, v in section.items()}
+    a, b = flat(old), flat(new)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k not in _NOT_THE_RUN and a.get(k) != b.get(k)]
+
+
+def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, overwrite: bool) -> list[str]:
+    """Never mix two runs in one directory: a new run where checkpoints exist is refused unless
+    run.overwrite; a resume with a changed config is allowed with a note naming the changes."""
+    found = complete_checkpoints(output_dir)
+    if not found:
+        return []
+    latest = found[-1]
+    saved = latest / CONFIG_FILE
+    changes = config_differences(saved.read_text(), config_yaml) if saved.exists() else []
+    if resume is None and not overwrite:
+        if changes:
+            shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+            raise ConfigError(f"run.output_dir={output_dir} holds checkpoints (up to {latest.name}) of a different "
+                              f"run ({shown}): pick another run.output_dir, continue that run with --resume auto, "
+                              "or replace it with --run.overwrite=true")
+        raise ConfigError(f"run.output_dir={output_dir} already holds checkpoints of this run (up to {latest.name}): "
+                          "continue it with --resume auto, or start over with --run.overwrite=true")
+    if resume is not None and changes:
+        return ["[resume] the config differs from the checkpoint's: " + "; ".join(changes)]
+    return []
+
+
+def start_output_dir(output_dir: Path, config_yaml: str, overwrite: bool, resume: str | None) -> None:
+    """Rank 0, once the run is known to start: clear an old run when run.overwrite asks for it
+    (never on a resume), then write the resolved config."""
+    if overwrite and resume is None:
+        for name in ("checkpoints", "model", "logs", "tokenizer", "metrics.json", "curves.png"):
+            target = output_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / CONFIG_FILE).write_text(config_yaml)
 
 
 def full_state_dict(accelerator, model) -> dict:

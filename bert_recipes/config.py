@@ -30,6 +30,9 @@ class RunConfig:
     """Everything the run writes goes here: checkpoints/, model/, logs/, metrics.json, curves.png."""
     seed: int = 42
     """Seeds python, numpy and torch on every rank (model init is identical on all ranks)."""
+    overwrite: bool = False
+    """A new run (no checkpoint.resume) in an output_dir that already holds checkpoints is refused;
+    true deletes them (and the old model/, metrics.json) and starts over."""
 
 
 @dataclass
@@ -63,6 +66,9 @@ class ModelConfig:
     """mlm: run the prediction head on masked positions only (same loss, ~3x less head compute)."""
     gradient_checkpointing: bool = False
     """Recompute encoder activations in backward: ~30% slower, activations O(layers) smaller."""
+    trust_remote_code: bool = False
+    """Let a Hub model run its own Python code (from_pretrained's trust_remote_code). Off: BERT
+    needs none, and a checkpoint should not execute code you have not read."""
 
 
 @dataclass
@@ -113,6 +119,9 @@ class DataConfig:
     """datasets cache; None = HF_DATASETS_CACHE default."""
     sample_dir: str = "data/sample"
     """Where the embedded sample is built (source: sample)."""
+    prepare_timeout_s: float = 7200.0
+    """How long the other ranks wait for rank 0 to download, tokenize and cache the data (a
+    separate, long wait: the short train.collective_timeout_s would kill a first run on a big corpus)."""
 
 
 @dataclass
@@ -151,6 +160,13 @@ class TrainConfig:
     halt_at_step: Optional[int] = None
     """Stop at this step after saving a checkpoint, as if the job's time ran out; the schedule
     still spans the whole run. Continue with --resume auto (splits a run over job-time limits)."""
+    max_bad_steps: int = 10
+    """Updates with a non-finite loss or gradient norm are skipped and counted; this many in a row
+    stop the run with a diagnosis (exit code 3), keeping the last good checkpoint."""
+    collective_timeout_s: float = 600.0
+    """The longest any collective (all-reduce, barrier) may wait for a peer. A stuck rank or a lost
+    node then ends the run with exit code 4 and a message, instead of hanging (NCCL's own default is
+    10 minutes; gloo's 30)."""
 
 
 @dataclass
@@ -238,6 +254,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is bool or tp is str:
         if isinstance(value, tp):
             return value
+        if tp is str and isinstance(value, bool):   # YAML 1.1 reads a bare no/yes/on/off as a boolean
+            raise ConfigError(f"{key}: YAML read this text as the boolean {value}; quote it (e.g. 'no', 'yes')")
     else:
         raise TypeError(f"unsupported annotation {tp} for {key}")
     raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
@@ -288,9 +306,16 @@ def set_key(cfg: Config, dotted: str, raw: str) -> None:
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {dotted}={raw!r} is not valid YAML: {e}") from None
+            raise ConfigError(f"override {dotted}={raw!r} is not valid YAML: {yaml_problem(e)}") from None
     section, key = dotted.split(".")
     _merge(cfg, {section: {key: value}})
+
+
+def yaml_problem(err) -> str:
+    """A YAML parse error in one line: what and where."""
+    where = getattr(err, "problem_mark", None)
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+    return f"{getattr(err, 'problem', None) or str(err).splitlines()[0]}{at}"
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -299,8 +324,11 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         path = Path(recipe)
         if not path.exists():
             raise ConfigError(f"recipe not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
-        _merge(cfg, data)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {path} is not valid YAML: {yaml_problem(e)}") from None
+        _merge(cfg, {} if data is None else data)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like section.key=value")
@@ -357,21 +385,74 @@ def optimizer_steps(train: TrainConfig, train_sequences: int, replicas: int, acc
     return steps_per_epoch, min(limits)
 
 
+def schedule_warnings(cfg: Config, total_steps: int) -> list[str]:
+    """Legal but probably unintended: one line each."""
+    o, t, out = cfg.optim, cfg.train, []
+    warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * total_steps)
+    if warmup >= total_steps:
+        out.append(f"[warning] the warmup ({warmup} steps) is not shorter than the run ({total_steps} steps): the lr "
+                   f"never reaches optim.lr={o.lr} and there is no decay; lower optim.warmup_steps / warmup_ratio")
+    if cfg.checkpoint.save_every and cfg.checkpoint.save_every >= total_steps:
+        out.append(f"[warning] checkpoint.save_every={cfg.checkpoint.save_every} >= the run's {total_steps} steps: "
+                   "the only checkpoint is the final one")
+    if t.halt_at_step is not None and t.halt_at_step >= total_steps:
+        out.append(f"[warning] train.halt_at_step={t.halt_at_step} >= the run's {total_steps} steps: it never halts")
+    return out
+
+
+# Ranges of single values: (section.key, test, what the value must be). None (unset) always passes.
+_RANGES = [
+    ("train.global_batch_size", lambda v: v > 0, "positive"),
+    ("train.micro_batch_size", lambda v: v > 0, "positive"),
+    ("train.eval_batch_size", lambda v: v > 0, "positive"),
+    ("train.max_steps", lambda v: v > 0, "positive"),
+    ("train.epochs", lambda v: v > 0, "positive"),
+    ("train.eval_every", lambda v: v > 0, "positive (steps)"),
+    ("train.halt_at_step", lambda v: v > 0, "positive (a step)"),
+    ("train.max_bad_steps", lambda v: v >= 1, ">= 1"),
+    ("train.collective_timeout_s", lambda v: v > 0, "positive (seconds)"),
+    ("optim.lr", lambda v: v > 0, "positive (e.g. 1e-4)"),
+    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optim.eps", lambda v: v > 0, "positive (e.g. 1e-8)"),
+    ("optim.max_grad_norm", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("optim.warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), e.g. [0.9, 0.999]"),
+    ("data.mlm_probability", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.15"),
+    ("data.max_seq_length", lambda v: v >= 8, ">= 8 tokens"),
+    ("data.max_train_samples", lambda v: v > 0, "positive"),
+    ("data.max_eval_samples", lambda v: v > 0, "positive"),
+    ("data.validation_split_percentage", lambda v: 0 < v < 100, "in (0, 100)"),
+    ("data.num_workers", lambda v: v >= 0, ">= 0"),
+    ("data.prepare_timeout_s", lambda v: v > 0, "positive (seconds)"),
+    ("model.hidden_size", lambda v: v > 0, "positive"),
+    ("model.num_hidden_layers", lambda v: v > 0, "positive"),
+    ("model.num_attention_heads", lambda v: v > 0, "positive"),
+    ("model.intermediate_size", lambda v: v > 0, "positive"),
+    ("model.hidden_dropout_prob", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("model.attention_probs_dropout_prob", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("task.num_labels", lambda v: v >= 1, ">= 1 (1 = regression)"),
+    ("tokenizer.vocab_size", lambda v: v >= 100, ">= 100"),
+    ("checkpoint.save_every", lambda v: v > 0, "positive (steps)"),
+    ("checkpoint.keep_last", lambda v: v >= 1, ">= 1"),
+    ("logging.log_every", lambda v: v > 0, "positive (steps)"),
+]
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no hardware knowledge; world-size checks happen in grad_accum_steps."""
+    for key, ok, must in _RANGES:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not ok(value):
+            raise ConfigError(f"{key}={value} is not allowed: it must be {must}")
     t, d, m = cfg.train, cfg.data, cfg.model
-    for name in ("global_batch_size", "micro_batch_size"):
-        if getattr(t, name) <= 0:
-            raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size={t.micro_batch_size}")
     if t.max_steps is None and t.epochs is None:
         raise ConfigError("set train.max_steps and/or train.epochs: the run needs an end")
-    if t.max_steps is not None and t.max_steps <= 0:
-        raise ConfigError(f"train.max_steps must be positive, got {t.max_steps}")
-    if not 0.0 < d.mlm_probability < 1.0:
-        raise ConfigError(f"data.mlm_probability must be in (0, 1), got {d.mlm_probability}")
     if d.max_seq_length > m.max_position_embeddings and m.name_or_path is None:
         raise ConfigError(f"data.max_seq_length={d.max_seq_length} exceeds "
                           f"model.max_position_embeddings={m.max_position_embeddings}")
@@ -383,20 +464,12 @@ def validate(cfg: Config) -> None:
     if d.source == "files" and not d.train_files:
         raise ConfigError("data.source=files needs data.train_files")
     if cfg.task.kind == "classification":
-        if cfg.task.num_labels < 1:
-            raise ConfigError(f"task.num_labels must be >= 1 (1 = regression), got {cfg.task.num_labels}")
         if m.name_or_path is None and cfg.tokenizer.name_or_path is None:
             raise ConfigError("classification needs a tokenizer: set model.name_or_path (a pretrained "
                               "or exported model) or tokenizer.name_or_path")
         if cfg.task.label_names and len(cfg.task.label_names) != cfg.task.num_labels:
             raise ConfigError(f"task.label_names has {len(cfg.task.label_names)} names but "
                               f"task.num_labels={cfg.task.num_labels}")
-    if cfg.optim.warmup_steps is not None and cfg.optim.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
-    if len(cfg.optim.betas) != 2:
-        raise ConfigError(f"optim.betas needs two values, got {cfg.optim.betas}")
-    if cfg.checkpoint.keep_last < 1:
-        raise ConfigError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     from .metrics import available_metrics
     for name in cfg.task.metrics or []:
         if name not in available_metrics():

@@ -15,7 +15,9 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +58,21 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
         files = {"train": list(data.train_files)}
         if data.validation_files:
             files["validation"] = list(data.validation_files)
-        for f in sum(files.values(), []):
-            if not Path(f).exists():
-                raise ConfigError(f"data file not found: {f}")
-        raw = load_dataset(_builder_for(sum(files.values(), [])), data_files=files, cache_dir=data.cache_dir)
+        for key, paths in (("data.train_files", files["train"]), ("data.validation_files", files.get("validation", []))):
+            for f in paths:
+                if not Path(f).is_file():
+                    raise ConfigError(f"{key}: data file not found: {f}")
+                if Path(f).stat().st_size == 0:
+                    raise ConfigError(f"{key}: {f} is empty; give a file with rows")
+        try:
+            raw = load_dataset(_builder_for(sum(files.values(), [])), data_files=files, cache_dir=data.cache_dir)
+        except Exception as err:   # pyarrow / pandas parse errors, a header without rows, files that disagree
+            cause = err
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            raise ConfigError(f"data files {sum(files.values(), [])} cannot be read as "
+                              f"{_builder_for(sum(files.values(), []))} ({type(cause).__name__}: {first_line(cause)}); "
+                              "all files need the same columns and at least one row") from None
 
     if data.train_split not in raw:
         raise ConfigError(f"data.train_split='{data.train_split}' not in the dataset's splits {list(raw)}")
@@ -71,6 +84,9 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
     else:   # train is the only split: hold out a seeded share of it
         held = train.train_test_split(test_size=data.validation_split_percentage / 100, seed=seed)
         train, evaluation = held["train"], held["test"]
+    for name, split in (("training", train), ("evaluation", evaluation)):
+        if len(split) == 0:
+            raise ConfigError(f"the {name} split has no rows (data.source={data.source}); check the files or split names")
     if data.max_train_samples is not None:
         train = train.select(range(min(data.max_train_samples, len(train))))
     if data.max_eval_samples is not None:
@@ -136,14 +152,28 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
                               "tokenizer files (an export's model/ has them) or a Hub name") from None
     # Only rank 0 looks at the disk and decides; the barrier is unconditional. (Letting each rank
     # test "exists?" itself deadlocks when a slow rank sees the file rank 0 has just written and
-    # skips a barrier that rank 0 is waiting in.)
-    if is_main and not (save_dir / "tokenizer.json").exists():
+    # skips a barrier that rank 0 is waiting in.) A trained tokenizer goes to a cache keyed by the
+    # training data, outside output_dir: the run copies it in once it starts writing, so a run
+    # refused later (too little data, a bad setting) leaves its output_dir untouched.
+    cache = _trained_tokenizer_dir(train_raw, data, tok_cfg)
+    if is_main and not (save_dir / "tokenizer.json").exists() and not (cache / "tokenizer.json").exists():
         tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
-        tmp = save_dir.with_name(save_dir.name + ".tmp")
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, save_dir)
+        try:
+            os.replace(tmp, cache)
+        except OSError:   # another run trained the same one meanwhile: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
     barrier()
-    return AutoTokenizer.from_pretrained(str(save_dir))
+    return AutoTokenizer.from_pretrained(str(save_dir if (save_dir / "tokenizer.json").exists() else cache))
+
+
+def _trained_tokenizer_dir(train_raw, data: DataConfig, tok_cfg: TokenizerConfig) -> Path:
+    import datasets
+    key = json.dumps([train_raw._fingerprint, data.text_column, data.text_pair_column, tok_cfg.vocab_size,
+                      tok_cfg.lowercase, TOKENIZE_VERSION])
+    root = Path(data.cache_dir) if data.cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
+    return root / "bert_recipes_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
 # ---------------------------------------------------------------------------- tokenization
@@ -200,30 +230,69 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: li
         return tokenized
 
     regression = task.num_labels == 1
-    label_feature = raw["train"].features.get(data.label_column)
-    string_labels = getattr(label_feature, "dtype", None) == "string"
-    if string_labels and not regression:
-        names = label_names or sorted(set(raw["train"][data.label_column]))
-        if len(names) != task.num_labels:
-            raise ConfigError(f"found {len(names)} distinct labels {names} but task.num_labels={task.num_labels}")
-        mapping = {n: i for i, n in enumerate(names)}
-    else:
-        mapping = None
+    mapping = label_mapping(raw, task, data, label_names)
 
     def encode(batch):
         args = [batch[c] for c in text_cols]
         out = tokenizer(*args, truncation=True, max_length=seq)
         labels = batch[data.label_column]
         if mapping is not None:
-            unknown = {l for l in labels if l not in mapping}
-            if unknown:
-                raise ConfigError(f"labels {sorted(unknown)} not in {sorted(mapping)}")
             labels = [mapping[l] for l in labels]
         out["labels"] = [float(l) for l in labels] if regression else [int(l) for l in labels]
         return out
 
     key = ["classification", tok_fp, seq, text_cols, data.label_column, regression, mapping]
     return _map_splits(raw, encode, key, "tokenizing", data.num_proc, columns)
+
+
+def label_mapping(raw, task: TaskConfig, data: DataConfig, label_names: list[str] | None) -> dict | None:
+    """Check every label of the train and eval splits before tokenizing; -> {name: id} for string
+    labels (task.label_names' order, else sorted), None for numeric ones."""
+    col = data.label_column
+    feature = raw["train"].features.get(col)
+    if getattr(feature, "dtype", None) in ("string", "large_string") and task.num_labels > 1:
+        names = label_names or sorted(set(raw["train"][col]))
+        if len(names) != task.num_labels:
+            raise ConfigError(f"data.label_column '{col}' has {len(names)} distinct labels {names[:10]} but "
+                              f"task.num_labels={task.num_labels}; set task.num_labels (or task.label_names)")
+        for split in raw:
+            unknown = sorted(set(raw[split][col]) - set(names))
+            if unknown:
+                raise ConfigError(f"data.label_column '{col}' of the {split} split has labels {unknown[:5]} that "
+                                  f"task.label_names={names} does not list; add them or fix the data")
+        return {n: i for i, n in enumerate(names)}
+    for split in raw:
+        values = raw[split][col]
+        try:
+            numbers = [float(v) for v in values]
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.label_column '{col}' of the {split} split holds non-numeric labels (e.g. "
+                              f"{next(v for v in values if not _is_number(v))!r}); for text labels set "
+                              "task.num_labels > 1 (and task.label_names)") from None
+        if task.num_labels == 1:
+            bad = [i for i, v in enumerate(numbers) if not math.isfinite(v)]
+            what = "regression targets that are not finite"
+        else:
+            bad = [i for i, v in enumerate(numbers)
+                   if not (math.isfinite(v) and v == int(v) and 0 <= v < task.num_labels)]
+            what = f"labels outside [0, task.num_labels={task.num_labels})"
+        if bad:
+            shown = ", ".join(f"row {i}: {values[i]}" for i in bad[:3])
+            raise ConfigError(f"data.label_column '{col}' of the {split} split has {len(bad)} {what} ({shown}); "
+                              "fix the data or task.num_labels")
+    return None
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 # ---------------------------------------------------------------------------- collators
@@ -333,6 +402,12 @@ def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: in
                               output_dir / "tokenizer", is_main, barrier)
     with main_first(is_main, barrier):
         data = tokenize(raw, tokenizer, cfg.task, cfg.data, cfg.task.label_names)
+    if cfg.task.kind == "classification" and cfg.task.label_names is None:
+        # text labels without task.label_names: their sorted order becomes the run's label_names,
+        # so the resolved config and the export's id2label name them
+        mapping = label_mapping(raw, cfg.task, cfg.data, None)
+        if mapping is not None:
+            cfg.task.label_names = list(mapping)
     if cfg.task.kind == "mlm":
         collate = MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed, fixed_length=fixed_length)
     else:

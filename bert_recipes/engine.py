@@ -21,6 +21,7 @@ output (print0, log). The pipeline engine lives in bert_recipes/pipeline.py.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from .backend import LaunchPlan, build_accelerator, describe, rank_checksums
 from .checkpoint import export_model
 from .config import Config
 from .data import Indexed, loader_kwargs
+from .guard import all_max, control_group, slow_barrier
 from .perf import peak_memory_gb
 
 
@@ -53,6 +55,8 @@ class AccelerateEngine:
         self.cfg, self.plan, self.name = cfg, plan, plan.name
         self.accelerator, self.accum = build_accelerator(cfg, plan, output_dir)
         a = self.accelerator
+        self.control = control_group(cfg.train.collective_timeout_s)
+        self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
         self.is_main, self.is_local_main = a.is_main_process, a.is_local_main_process
         self.num_processes = self.replicas = a.num_processes
         self.device = a.device
@@ -62,7 +66,8 @@ class AccelerateEngine:
 
     # ------------------------------------------------------------ communication and output
     def print0(self, *args):
-        self.accelerator.print(*args)
+        if self.is_main:   # global rank 0 (Accelerate's own print is per node)
+            print(*args, flush=True)
 
     def barrier(self):
         self.accelerator.wait_for_everyone()
@@ -103,8 +108,7 @@ class AccelerateEngine:
             module, optimizer, train_loader, eval_loader)
         expected = len(data["train"]) // t.micro_batch_size // self.num_processes   # config.optimizer_steps' count
         assert len(self.train_loader) == expected, (len(self.train_loader), expected)
-        self.accelerator.register_for_checkpointing(scheduler)
-        self.scheduler, self.collate = scheduler, collate
+        self.scheduler, self.collate = scheduler, collate   # its state goes to scheduler.json (see save)
         self.max_grad_norm = self.cfg.optim.max_grad_norm or float("inf")   # inf: measure the norm, never clip
         self.model.train()
 
@@ -121,22 +125,32 @@ class AccelerateEngine:
         return iter(loader)
 
     def train_step(self, batches):
-        """`accum` micro batches, then clip, step and schedule. -> (mean loss tensor, grad norm)."""
-        a, losses, grad_norm = self.accelerator, [], None
+        """`accum` micro batches, then clip, step and schedule, unless the step is not finite.
+        -> (mean loss tensor, grad norm, whether the update was applied: the same on every rank)."""
+        a, losses = self.accelerator, []
         for _ in range(self.accum):
             batch = next(batches)
             with a.accumulate(self.model):   # syncs gradients on the last micro batch only
                 loss = self.model(**batch).loss
-                a.backward(loss)
-                if a.sync_gradients:
-                    grad_norm = a.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                a.backward(loss)             # DeepSpeed steps inside, on the last micro batch
             losses.append(loss.detach())
         assert a.sync_gradients, "the loop and Accelerate disagree on the accumulation boundary"
-        if not a.optimizer_step_was_skipped:   # fp16 overflow: the update was skipped, keep the lr
+        loss = torch.stack(losses).float().mean()
+        grad_norm = a.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)   # fp16: unscales first
+        if self.plan.deepspeed:   # DeepSpeed skipped a non-finite step itself (its overflow check)
+            applied = not a.optimizer_step_was_skipped
+        else:
+            # One small all-reduce: every rank's loss and the (global) norm. fp16: the loss scaler
+            # skips an overflowing step itself and must see it to lower its scale, so it always steps.
+            finite = all_max([float(not (torch.isfinite(loss) and torch.isfinite(torch.as_tensor(grad_norm))))],
+                             self.control)[0] == 0
+            if finite or a.scaler is not None:
+                self.optimizer.step()
+            applied = finite
+            self.optimizer.zero_grad(set_to_none=True)
+        if applied:
             self.scheduler.step()
-        return torch.stack(losses).float().mean(), grad_norm
+        return loss, grad_norm, applied
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -171,11 +185,19 @@ class AccelerateEngine:
 
     # ------------------------------------------------------------ state
     def save(self, path: str):
-        """Model, optimizer, the registered scheduler and every rank's RNG."""
+        """Model, optimizer and every rank's RNG (Accelerate), and the schedule as JSON: nothing in the
+        checkpoint needs a pickle to load (Accelerate loads the rest with weights_only=True)."""
         self.accelerator.save_state(path)
+        if self.is_main:
+            (Path(path) / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
 
     def load(self, path: str):
         self.accelerator.load_state(str(path))
+        schedule = Path(path) / "scheduler.json"
+        if schedule.exists():
+            self.scheduler.load_state_dict(json.loads(schedule.read_text()))
+        else:   # a checkpoint from before scheduler.json: Accelerate's custom_checkpoint_0.pkl, plain data
+            self.scheduler.load_state_dict(torch.load(Path(path) / "custom_checkpoint_0.pkl", weights_only=True))
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str) -> Path:
         return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml)

@@ -76,7 +76,8 @@ def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_
             overrides["label2id"] = {n: i for i, n in enumerate(task.label_names)}
     if model_cfg.name_or_path:
         try:
-            config = AutoConfig.from_pretrained(model_cfg.name_or_path, **overrides)
+            config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code,
+                                                **overrides)
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.name_or_path={model_cfg.name_or_path}: cannot load its config "
                               f"({first_line(err)}); give a Hugging Face model directory or a Hub name") from None
@@ -93,6 +94,15 @@ def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_
     return config
 
 
+def check_sequence_length(model_cfg: ModelConfig, task: TaskConfig, max_seq_length: int) -> None:
+    """A pretrained model has position embeddings for so many tokens; longer sequences would index past them."""
+    if model_cfg.name_or_path:
+        limit = model_config(model_cfg, task, 0, None).max_position_embeddings
+        if max_seq_length > limit:
+            raise ConfigError(f"data.max_seq_length={max_seq_length} exceeds the max_position_embeddings={limit} of "
+                              f"model.name_or_path={model_cfg.name_or_path}; use at most {limit}")
+
+
 def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None):
     """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig
     (`config`, when given, instead of one derived from the tokenizer)."""
@@ -103,7 +113,7 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
     if model_cfg.name_or_path:
         auto = RecipeBertForMaskedLM if task.kind == "mlm" else AutoModelForSequenceClassification
         try:
-            model = auto.from_pretrained(model_cfg.name_or_path, config=config,
+            model = auto.from_pretrained(model_cfg.name_or_path, config=config, trust_remote_code=model_cfg.trust_remote_code,
                                          attn_implementation=model_cfg.attn_implementation)
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.name_or_path={model_cfg.name_or_path}: cannot load its weights "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler
 
 from .config import Config, ConfigError
+from .guard import control_group, slow_barrier
 
 TIED_KEY = "embeddings"
 
@@ -224,8 +226,11 @@ class PipelineEngine:
         if set(trackers) - {"tensorboard"}:
             raise ConfigError(f"logging.trackers={trackers}: the pipeline engine logs to tensorboard only")
         self.cfg, self.plan, self.output_dir, self.trackers = cfg, plan, output_dir, trackers
-        deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo")
+        deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo",
+                                   timeout=timedelta(seconds=cfg.train.collective_timeout_s))
         self.dist = dist
+        self.control = control_group(cfg.train.collective_timeout_s)
+        self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
         world, self.rank = dist.get_world_size(), dist.get_rank()
         self.stages, self.partition = pipeline_settings(plan.ds_config)
         if world % self.stages:
@@ -346,9 +351,10 @@ class PipelineEngine:
 
     def train_step(self, batches):
         """`accum` micro batches through the pipeline (the first and last stages read them; DeepSpeed
-        clips, steps and schedules). -> (mean loss over the global batch, grad norm)."""
+        clips, steps and schedules). -> (mean loss over the global batch, grad norm, applied)."""
         loss = self.engine.train_batch(data_iter=map(_as_inputs, batches))
-        return loss, self.engine.get_global_grad_norm()
+        # ZeRO-1 (ds_configs/pipeline.json) skips a step whose gradient norm is not finite
+        return loss, self.engine.get_global_grad_norm(), self.engine.was_step_applied()
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -96,15 +96,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch_script(script: str, args: list[str], nproc: int, launcher: str = "accelerate", timeout: int = 900,
-                  env: dict | None = None, backend: str = "ddp", config: Path | None = None) -> str:
-    """Run a repository script as a real multi-process job on CPU, under a row of the backend
-    matrix; return its output. Each backend kind gets the CPU launch that really engages it (see
-    FEASIBILITY: the obvious ones silently fall back); FSDP goes through tests/fsdp_cpu_harness.py."""
+def launch_commands(script: str, args: list[str], nproc: int, launcher: str = "accelerate", env: dict | None = None,
+                    backend: str = "ddp", config: Path | None = None) -> tuple[list[list[str]], dict]:
+    """The command lines (one per "machine") and environment that run a repository script as a real
+    multi-process job on CPU, under a row of the backend matrix. Each row gets the CPU launch that
+    really engages it (the table's cpu_env; see FEASIBILITY: the obvious ones silently fall back);
+    FSDP goes through tests/fsdp_cpu_harness.py."""
     bin_dir = Path(sys.executable).parent
     row = backend_rows()[backend]
     plan = row.plan
-    base_env = row.cpu_launch_env({**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    base_env = row.cpu_launch_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
     if plan.kind == "fsdp":
         base_env["HARNESS_SCRIPT"] = script
         script = "tests/fsdp_cpu_harness.py"
@@ -119,21 +120,68 @@ def launch_script(script: str, args: list[str], nproc: int, launcher: str = "acc
     else:
         cmds = [[str(bin_dir / "accelerate"), "launch", "--config_file", str(config or REPO / row.cpu_config),
                  "--num_processes", str(nproc), "--main_process_port", port] + args]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in cmds]
-    logs, codes = [], []
+    return cmds, base_env
+
+
+def launch_script(script: str, args: list[str], nproc: int, launcher: str = "accelerate", timeout: int = 900,
+                  env: dict | None = None, backend: str = "ddp", config: Path | None = None,
+                  check: bool = True) -> str:
+    """Run a repository script as a real multi-process job on CPU (see launch_commands); return its
+    output. check: assert that every launcher exited 0."""
+    import tempfile
+    cmds, base_env = launch_commands(script, args, nproc, launcher, env, backend, config)
+    files = [tempfile.TemporaryFile("w+") for _ in cmds]   # files, not pipes: two launchers cannot block on a full pipe
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=f, stderr=subprocess.STDOUT, text=True)
+             for cmd, f in zip(cmds, files)]
+    codes = []
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            codes.append(proc.wait(timeout=timeout))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
             raise
-        logs.append(out)
-        codes.append(proc.returncode)
+    logs = []
+    for f in files:
+        f.seek(0)
+        logs.append(f.read())
+        f.close()
     log = "\n".join(logs)
-    assert codes == [0] * len(procs), f"launch failed ({codes}):\n{log[-8000:]}"
+    assert not check or codes == [0] * len(procs), f"launch failed ({codes}):\n{log[-8000:]}"
     return log
+
+
+def launch_watched(overrides: list[str], react, nproc: int = 2, backend: str = "ddp", launcher: str = "accelerate",
+                   env: dict | None = None, timeout: int = 600) -> tuple[int, str, float]:
+    """Launch train.py and call react(line, proc) on every output line as it comes (to signal or kill
+    while it runs). -> (launcher exit code, whole output, seconds from react's first True to the exit)."""
+    import time
+    args = [f"--{o}" for o in overrides]
+    (cmd,), base_env = launch_commands("train.py", args, nproc, launcher, env, backend)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, acted_at, deadline = [], None, time.time() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if react(line, proc) and acted_at is None:
+            acted_at = time.time()
+        if time.time() > deadline:
+            proc.kill()
+            raise TimeoutError("".join(lines)[-4000:])
+    proc.wait()
+    return proc.returncode, "".join(lines), time.time() - (acted_at or time.time())
+
+
+def worker_pids(proc) -> dict[int, int]:
+    """{rank: pid} of the train.py processes a launcher started."""
+    import psutil
+    out = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "RANK" in child.environ() and any("train.py" in part for part in child.cmdline()):
+                out[int(child.environ()["RANK"])] = child.pid
+        except psutil.Error:
+            pass
+    return out
 
 
 def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher: str = "accelerate",

@@ -129,9 +129,9 @@ def test_resume_skips_partial_checkpoints(tmp_path):
     (root / "step_00000005/train_state.json").write_text("{}")
     (root / "step_00000009.partial").mkdir()      # crashed while saving
     (root / "step_00000012").mkdir()              # no train_state.json: incomplete
-    assert resolve_resume("auto", tmp_path) == root / "step_00000005"
-    assert resolve_resume(None, tmp_path) is None
-    assert resolve_resume("auto", tmp_path / "nothing") is None
+    assert resolve_resume("auto", tmp_path) == (root / "step_00000005", [])
+    assert resolve_resume(None, tmp_path) == (None, [])
+    assert resolve_resume("auto", tmp_path / "nothing") == (None, [])
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         resolve_resume(str(root / "step_00000012"), tmp_path)
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One launcher per node, started by `srun` from slurm/ddp.sbatch or slurm/zero3.sbatch. The rendezvous
+# comes from SLURM's variables: SLURM_NNODES nodes, this node's SLURM_NODEID as machine rank, the
+# job's first node as the main process. Each launcher starts one training process per GPU.
+#
+#   slurm/launch.sh <accelerate config> <recipe> [--section.key=value ...]
+#
+# Overridable by hand (the tests run 2 "nodes" on 127.0.0.1 this way): MASTER_ADDR, MASTER_PORT,
+# GPUS_PER_NODE. Every run passes --resume auto: a requeued job continues from its last checkpoint.
+set -euo pipefail
+config=${1:?usage: slurm/launch.sh <accelerate config> <recipe> [--section.key=value ...]}
+recipe=${2:?usage: slurm/launch.sh <accelerate config> <recipe> [--section.key=value ...]}
+shift 2
+nodes=${SLURM_NNODES:?run under srun, or set SLURM_NNODES and SLURM_NODEID}
+node_rank=${SLURM_NODEID:?run under srun, or set SLURM_NNODES and SLURM_NODEID}
+gpus=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}}
+main_addr=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+main_port=${MASTER_PORT:-29500}
+# The launcher forwards SIGTERM and SIGUSR1 to the ranks, which finish their step, save a checkpoint
+# and exit (143 / 138); it then gives them this long before SIGKILL.
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
+echo "[slurm] node $node_rank/$nodes: $gpus processes, main $main_addr:$main_port, $config, $recipe"
+exec accelerate launch --config_file "$config" --num_machines "$nodes" --machine_rank "$node_rank" \
+    --num_processes $((nodes * gpus)) --main_process_ip "$main_addr" --main_process_port "$main_port" \
+    train.py --recipe "$recipe" --resume auto "$@"

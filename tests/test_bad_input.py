@@ -1,0 +1,288 @@
+"""What the run refuses: one parametrized matrix of bad inputs. Each case must end with exit code 2,
+one `config error:` line that names the field or file and says what to do, no traceback, and
+nothing created or changed in the output directory. Most cases run train.py's command line in this
+process (train.run_cli, the same function `python train.py` calls); a few run under `accelerate
+launch` with 2 processes, where the message must come once, from rank 0."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launch_script, run_in_process, tiny_args
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    out: Path
+    sample: Path
+    cache: Path
+    tok: Path
+    old_run: Path       # a finished run's output_dir with checkpoints (step 4, 8)
+    small_model: Path   # a saved BertForMaskedLM: vocab 500, 64 positions
+
+    def args(self, task="mlm", **extra):
+        extra = {"tokenizer.name_or_path": self.tok, **extra}
+        return [f"--{a}" for a in tiny_args(self.out, self.sample, self.cache, task=task, **extra)]
+
+    def file(self, name, text):
+        path = self.tmp / name
+        path.write_text(text)
+        return path
+
+    def files(self, train_text, task="classification", valid_text="text,label\nan example,0\nanother one,1\n",
+              **extra):
+        train = self.file("train.csv", train_text)
+        valid = self.file("valid.csv", valid_text)
+        return self.args(task, **{"data.source": "files", "data.train_files": f"[{train}]",
+                                  "data.validation_files": f"[{valid}]", "task.num_labels": 2, **extra})
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, sample_dir, datasets_cache, shared_tokenizer):
+    root = tmp_path_factory.mktemp("bad_input")
+    old_run = root / "old_run"
+    run_in_process(tiny_args(old_run, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "checkpoint.save_every": 4}))
+    from transformers import BertConfig, BertForMaskedLM
+    small = root / "small_model"
+    BertForMaskedLM(BertConfig(vocab_size=500, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=64)).save_pretrained(small)
+    shutil.copytree(shared_tokenizer, small, dirs_exist_ok=True)   # a 1000-token tokenizer beside it
+    return old_run, small
+
+
+def _corrupt_copy(c: Ctx) -> list[str]:
+    shutil.copytree(c.old_run, c.out)
+    target = c.out / "checkpoints/step_00000008/model.safetensors"
+    target.write_bytes(target.read_bytes()[:1000])
+    return c.args(**{"checkpoint.resume": c.out / "checkpoints/step_00000008"})
+
+
+def _ds_env(c: Ctx, monkeypatch, text: str):
+    path = c.file("ds.json", text)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+
+
+# (id, argv builder (ctx, monkeypatch) -> argv, what the one line must say)
+CASES = [
+    # ---- recipes and overrides
+    ("misspelt key", lambda c, m: c.args() + ["--optim.lrr=1"], "unknown key 'optim.lrr'"),
+    ("wrong type", lambda c, m: c.args() + ["--train.max_steps=ten"], "train.max_steps: expected int"),
+    ("missing recipe", lambda c, m: ["--recipe", str(c.tmp / "nope.yaml")] + c.args(), "recipe not found"),
+    ("recipe not a mapping", lambda c, m: ["--recipe", str(c.file("r.yaml", "- a\n- b\n"))] + c.args(),
+     "recipe: expected a mapping"),
+    ("recipe not YAML", lambda c, m: ["--recipe", str(c.file("r.yaml", "train: [1, 2\n"))] + c.args(),
+     "is not valid YAML"),
+    ("unknown section", lambda c, m: ["--recipe", str(c.file("r.yaml", "optimizer:\n  lr: 0.1\n"))] + c.args(),
+     "unknown key 'optimizer'"),
+    ("override without a value", lambda c, m: c.args() + ["--train.max_steps"], "unrecognized argument"),
+    ("override without a section", lambda c, m: c.args() + ["--max_steps=3"], "must look like section.key"),
+    ("override not YAML", lambda c, m: c.args() + ["--optim.betas=[0.9,"], "override optim.betas='[0.9,' is not valid YAML: expected"),
+    # ---- values
+    ("zero lr", lambda c, m: c.args(**{"optim.lr": 0}), "optim.lr=0.0 is not allowed: it must be positive"),
+    ("negative lr", lambda c, m: c.args(**{"optim.lr": -1e-4}), "optim.lr=-0.0001 is not allowed"),
+    ("zero steps", lambda c, m: c.args(**{"train.max_steps": 0}), "train.max_steps=0 is not allowed"),
+    ("negative epochs", lambda c, m: c.args(**{"train.epochs": -1}), "train.epochs=-1.0 is not allowed"),
+    ("no end", lambda c, m: c.args(**{"train.max_steps": "null"}), "the run needs an end"),
+    ("zero global batch", lambda c, m: c.args(**{"train.global_batch_size": 0}), "train.global_batch_size=0"),
+    ("negative micro batch", lambda c, m: c.args(**{"train.micro_batch_size": -8}), "train.micro_batch_size=-8"),
+    ("global batch not a multiple", lambda c, m: c.args(**{"train.global_batch_size": 20}), "is not a multiple of"),
+    ("mlm probability above 1", lambda c, m: c.args(**{"data.mlm_probability": 1.5}), "data.mlm_probability=1.5"),
+    ("heads do not divide hidden", lambda c, m: c.args(**{"model.num_attention_heads": 3}),
+     "not divisible by model.num_attention_heads=3"),
+    ("sequence above positions", lambda c, m: c.args(**{"data.max_seq_length": 128}),
+     "exceeds model.max_position_embeddings=64"),
+    ("sequence above a checkpoint's positions",
+     lambda c, m: c.args(**{"model.name_or_path": c.small_model, "tokenizer.name_or_path": "null",
+                            "data.max_seq_length": 128, "model.max_position_embeddings": 512}),
+     "exceeds the max_position_embeddings=64 of model.name_or_path"),
+    ("zero labels", lambda c, m: c.args("classification", **{"task.num_labels": 0}), "task.num_labels=0"),
+    ("unknown metric", lambda c, m: c.args("classification", **{"task.metrics": "[bleu]"}), "unknown metric 'bleu'"),
+    ("fp16 on a CPU", lambda c, m: c.args(**{"train.mixed_precision": "fp16"}), "fp16 needs a CUDA GPU"),
+    ("unknown tracker", lambda c, m: c.args(**{"logging.trackers": "[comet]"}), "unknown tracker 'comet'"),
+    # ---- data
+    ("missing data file", lambda c, m: c.args(**{"data.source": "files", "data.train_files": "[/no/such.txt]"}),
+     "data.train_files: data file not found: /no/such.txt"),
+    ("empty data file", lambda c, m: c.args(**{"data.source": "files", "data.train_files": f"[{c.file('e.txt', '')}]"}),
+     "is empty"),
+    ("header without rows", lambda c, m: c.files("text,label\n"), "cannot be read as csv"),
+    ("no text column", lambda c, m: c.files("sentence,label\nhello,0\n", valid_text="sentence,label\nhi,1\n"),
+     "column 'text' not in the training data"),
+    ("label column missing", lambda c, m: c.files("text\nhello\nworld\n", valid_text="text\nhi\n"),
+     "column 'label' not in the training data"),
+    ("files that disagree", lambda c, m: c.files("sentence,label\nhello,0\n"), "all files need the same columns"),
+    ("labels outside the range", lambda c, m: c.files("text,label\nhello,0\nworld,9\n"),
+     "labels outside [0, task.num_labels=2)"),
+    ("string label not in label_names", lambda c, m: c.files("text,label\nhello,pos\nworld,maybe\n",
+                                                              **{"task.label_names": "[neg, pos]"}),
+     "labels ['maybe'] that task.label_names"),
+    ("label names YAML reads as booleans", lambda c, m: c.args("classification", **{"task.label_names": "[no, yes]"}),
+     "task.label_names[0]: YAML read this text as the boolean False; quote it"),
+    ("fewer examples than one global batch", lambda c, m: c.args("classification", **{"data.max_train_samples": 4}),
+     "cannot fill one optimizer step"),
+    # ---- models, checkpoints, output directories
+    ("missing model directory", lambda c, m: c.args("classification", **{"model.name_or_path": "/no/such/model",
+                                                                           "tokenizer.name_or_path": "null"}),
+     "model.name_or_path=/no/such/model: cannot load"),
+    ("tokenizer larger than the model", lambda c, m: c.args(**{"model.name_or_path": c.small_model}),
+     "the tokenizer has 1000 tokens but model.name_or_path"),
+    ("missing resume path", lambda c, m: c.args(**{"checkpoint.resume": "/no/such/checkpoint"}),
+     "checkpoint.resume=/no/such/checkpoint: not a complete checkpoint"),
+    ("corrupt checkpoint", lambda c, m: _corrupt_copy(c), "model.safetensors has 1000 bytes"),
+    ("another run's output_dir", lambda c, m: (shutil.copytree(c.old_run, c.out),
+                                                c.args(**{"optim.lr": 1e-3, "train.max_steps": 8,
+                                                          "checkpoint.save_every": 4}))[1],
+     "of a different run (optim.lr: 0.003 -> 0.001): pick another run.output_dir"),
+    ("this run's output_dir without --resume", lambda c, m: (shutil.copytree(c.old_run, c.out),
+                                                              c.args(**{"train.max_steps": 8,
+                                                                        "checkpoint.save_every": 4}))[1],
+     "already holds checkpoints of this run (up to step_00000008): continue it with --resume auto"),
+    # ---- launch configs (the variables `accelerate launch` sets)
+    ("DeepSpeed JSON missing", lambda c, m: (m.setenv("ACCELERATE_USE_DEEPSPEED", "true"),
+                                             m.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "/no/ds.json"), c.args())[2],
+     "DeepSpeed config not found: /no/ds.json"),
+    ("DeepSpeed JSON not JSON", lambda c, m: (_ds_env(c, m, "{stage: 2"), c.args())[1], "is not valid JSON"),
+    ("DeepSpeed JSON contradicts the recipe", lambda c, m: (_ds_env(c, m, '{"gradient_clipping": 0.3}'), c.args())[1],
+     "clipping: recipe optim.max_grad_norm=1.0"),
+]
+
+
+def snapshot(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+
+
+@pytest.mark.parametrize("name, build, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_with_one_line(name, build, expected, prepared, tmp_path, sample_dir, datasets_cache,
+                                            shared_tokenizer, capsys, monkeypatch):
+    import train
+    from accelerate.state import AcceleratorState, GradientState
+    c = Ctx(tmp_path, tmp_path / "out", sample_dir, datasets_cache, shared_tokenizer, *prepared)
+    argv = build(c, monkeypatch)
+    before = snapshot(c.out)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        code = train.run_cli(argv)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("config error:")]
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1 and expected in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    assert snapshot(c.out) == before, "the output directory changed"
+
+
+def test_the_matrix_is_large():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("name, extra, expected", [
+    ("misspelt key", ["--optim.lrr=1"], "unknown key 'optim.lrr'"),
+    ("missing data file (rank 0 reads it)", ["--data.source=files", "--data.train_files=[/no/such.txt]"],
+     "data file not found: /no/such.txt"),
+    ("fewer examples than one global batch", ["--data.max_train_samples=8"], "cannot fill one optimizer step"),
+])
+def test_under_accelerate_launch_the_message_comes_once(name, extra, expected, tmp_path, sample_dir, datasets_cache,
+                                                        shared_tokenizer):
+    out = tmp_path / "out"
+    args = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer})]
+    log = launch_script("train.py", args + extra, 2, check=False)
+    assert log.count("config error:") == 1 and expected in log, log[-3000:]
+    assert "exitcode  : 2" in log                      # the launcher's report: the rank exited 2
+    assert f'File "{REPO / "train.py"}"' not in log     # no traceback from train.py
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    (None, "accelerate config {path}: No such file or directory"),
+    ("num_processes: [2,\n", "is not valid YAML: expected"),
+    ("- a list\n", "is not a mapping of settings"),
+])
+def test_make_refuses_a_missing_or_broken_accelerate_config(text, expected, tmp_path):
+    path = tmp_path / "acc.yaml"
+    if text is not None:
+        path.write_text(text)
+    proc = subprocess.run(["make", "-s", "zero2", f"CONFIG={path}", f"RECIPE={REPO / 'recipes/tiny-mlm.yaml'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert len(lines) == 1 and expected.format(path=path) in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "accelerate launch" not in proc.stdout
+
+
+def test_suspicious_settings_warn_once_and_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
+    metrics = run_in_process(tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 4, "optim.warmup_steps": 10}))
+    out = capsys.readouterr().out
+    assert metrics["steps"] == 4
+    assert out.count("[warning] the warmup (10 steps) is not shorter than the run (4 steps)") == 1
+
+
+def test_exit_codes_of_the_command_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """`python train.py` itself: 2 for a config error (one line on stderr, no traceback)."""
+    out = tmp_path / "out"
+    args = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer})]
+    proc = subprocess.run([sys.executable, "train.py", *args, "--optim.lr=-1"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["config error: optim.lr=-1.0 is not allowed: it must be positive "
+                                                "(e.g. 1e-4)"]
+    assert not out.exists()
+
+
+def test_resume_auto_skips_a_damaged_checkpoint_and_says_so(prepared, tmp_path, sample_dir, datasets_cache,
+                                                            shared_tokenizer, capsys):
+    """Truncate the newest checkpoint's weights: --resume auto names the file, falls back to the
+    previous checkpoint and finishes with the weights of the run that never stopped."""
+    from safetensors.torch import load_file
+    old_run, _ = prepared
+    out = tmp_path / "run"
+    shutil.copytree(old_run, out)
+    expected = load_file(out / "model/model.safetensors")
+    damaged = out / "checkpoints/step_00000008/optimizer.bin"
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    metrics = run_in_process(tiny_args(out, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "checkpoint.save_every": 4,
+        "checkpoint.resume": "auto"}))
+    log = capsys.readouterr().out
+    assert f"[resume] skipping damaged checkpoint step_00000008: {damaged} has" in log
+    assert f"[resume] from {out}/checkpoints/step_00000004 at step 4" in log
+    assert metrics["steps"] == 8
+    got = load_file(out / "model/model.safetensors")
+    for k in expected:
+        assert (got[k] == expected[k]).all(), k
+
+
+def test_checkpoints_load_without_pickles(tmp_path, sample_dir, datasets_cache, shared_tokenizer, monkeypatch):
+    """A resume through the Accelerate engine never calls torch.load with weights_only=False, and the
+    code never shells out with user strings or turns on remote code by itself."""
+    import torch
+    real = torch.load
+    calls = []
+
+    def guarded(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        assert kwargs.get("weights_only", True) is not False, f"torch.load(weights_only=False) of {args[0]}"
+        return real(*args, **kwargs)
+    args = tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "checkpoint.save_every": 4})
+    run_in_process(args + ["train.halt_at_step=4"])
+    monkeypatch.setattr(torch, "load", guarded)
+    assert run_in_process(args + ["checkpoint.resume=auto"])["steps"] == 8
+    assert calls, "the resume loaded nothing through torch.load"
+    for path in list((REPO / "bert_recipes").rglob("*.py")) + list((REPO / "tools").glob("*.py")) + [REPO / "train.py"]:
+        text = path.read_text()
+        assert "shell=True" not in text and "os.system(" not in text, path
+        assert "trust_remote_code=True" not in text, path
