@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 # checkpoint and exit (SIGUSR1: SLURM's --signal=USR1@120; without it the launcher would just die).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
-.PHONY: help setup demo test env-check allreduce scaling memory gpu-check print-config clean
+.PHONY: help setup demo test env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -36,9 +36,9 @@ setup: $(VENV)/.installed  ## create .venv and install requirements.txt
 
 demo: setup  ## pretrain a tiny BERT on 2 CPU processes, fine-tune it, print a summary (~10 min)
 	$(PY) -m bert_recipes.sample data/sample
-	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/cpu.yaml $(NPROC_ARG) \
+	$(call col,ddp,4) $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(or $(NPROC),2) \
 		train.py --recipe recipes/tiny-mlm.yaml --logging.progress_bar=false $(ARGS)
-	ACCELERATE_USE_CPU=1 $(ACCEL) launch --config_file accelerate_configs/cpu.yaml $(NPROC_ARG) \
+	$(call col,ddp,4) $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(or $(NPROC),2) \
 		train.py --recipe recipes/tiny-classify.yaml --logging.progress_bar=false $(ARGS)
 	$(PY) -m bert_recipes.summary runs/tiny-mlm runs/tiny-classify
 
@@ -56,7 +56,9 @@ MODES    := $(shell awk -F'\t' '!/^\#/ {print $$1}' $(BACKENDS))
 MULTI_NODE_MODES  := $(filter multinode%,$(MODES))
 SINGLE_HOST_MODES := $(filter-out multinode%,$(MODES))
 col       = $(shell awk -F'\t' '$$1=="$(1)" {print $$$(2)}' $(BACKENDS))
-NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2))
+# Processes: NPROC if given, 2 with CPU=1, else one per GPU present (the YAMLs' num_processes: 8 is
+# documentation; Accelerate would start 8 ranks on a 4-GPU host, and the extra ones die).
+NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2,$(if $(filter-out 0,$(GPUS)),--num_processes $(GPUS))))
 CPU_ENV   = $(if $(CPU),$(call col,$@,4))
 MODE_CONFIG = $(or $(CONFIG),$(if $(CPU),$(filter-out -,$(call col,$@,3))),$(call col,$@,2))
 
@@ -75,11 +77,13 @@ $(MULTI_NODE_MODES): setup
 ifdef CPU
 	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) --num_machines 2 --num_processes 2 \
 		--machine_rank 1 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS) & \
+	node1=$$!; \
 	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) --num_machines 2 --num_processes 2 \
-		--machine_rank 0 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS); wait
+		--machine_rank 0 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS); \
+	status=$$?; wait $$node1 || status=1; exit $$status
 else
 	$(ACCEL) launch --config_file $(MODE_CONFIG) --machine_rank $(MACHINE_RANK) \
-		$(if $(MAIN_IP),--main_process_ip $(MAIN_IP)) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
+		$(if $(MAIN_IP),--main_process_ip $(MAIN_IP)) $(if $(NPROC),--num_processes $(NPROC)) train.py --recipe $(RECIPE) $(ARGS)
 endif
 
 # ---------------------------------------------------------------- diagnostics (README: "When training is slow or hangs")
@@ -98,6 +102,9 @@ scaling: setup  ## throughput at 1, 2, 4 ... processes (ARGS="--backend zero2", 
 
 memory: setup  ## will it fit? per-device memory of RECIPE for every backend + verdict (CONFIG=..., NPROC=8, ARGS="--gpu-memory 24")
 	$(PY) tools/memory.py --recipe $(RECIPE) $(if $(CONFIG),--config $(CONFIG)) $(if $(NPROC),--world $(NPROC)) $(ARGS)
+
+gpu-smoke: setup  ## one GPU, <10 min: every row that fits it x fp32/bf16/fp16, eval + checkpoint + resume + export; table (ARGS="--out gpu_smoke.md")
+	$(PY) tools/gpu_smoke.py $(ARGS)
 
 gpu-check: setup  ## every backend row for a few steps on the GPUs present: steps/s, peak memory, loss (ARGS="--rows ddp,zero2")
 	$(PY) tools/gpu_check.py $(ARGS)

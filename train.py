@@ -27,14 +27,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads 
 import torch
 
 from bert_recipes.backend import read_launch_plan
-from bert_recipes.checkpoint import (check_output_dir, read_train_state, resolve_resume, save_checkpoint,
-                                     start_output_dir)
-from bert_recipes.config import (Config, ConfigError, flat_dict, load_config, optimizer_steps, schedule_warnings,
-                                 to_yaml, validate)
-from bert_recipes.data import prepare_data
+from bert_recipes.checkpoint import (check_output_dir, check_shared_output_dir, read_train_state, resolve_resume,
+                                     save_checkpoint, start_output_dir)
+from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, load_config, optimizer_steps,
+                                 schedule_warnings, to_yaml, validate)
+from bert_recipes.data import on_rank0, prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.guard import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard, all_max,
-                                first_line, is_collective_timeout, preempted_exit_code)
+                                is_collective_timeout, preempted_exit_code)
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
@@ -89,15 +89,18 @@ def main(cfg: Config) -> dict:
     set_seed(cfg.run.seed)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
            f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
+    check_shared_output_dir(output_dir, engine)
     # Rank 0 picks the checkpoint and tells the others: ranks may see the disk at different times.
-    checkpoint, notes = engine.broadcast(resolve_resume(cfg.checkpoint.resume, output_dir) if engine.is_main else None)
+    checkpoint, notes = on_rank0(engine.is_main, engine.broadcast,
+                                 lambda: resolve_resume(cfg.checkpoint.resume, output_dir))
     for note in resume_notes + notes:
         print0(note)
 
     # -------------------------------------------------------------------- data
     check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
     label_names = cfg.task.label_names
-    tokenizer, data, collate = prepare_data(cfg, output_dir, engine.is_main, engine.prep_barrier, engine.fixed_length)
+    tokenizer, data, collate = prepare_data(cfg, output_dir, engine.is_main, engine.prep_barrier, engine.fixed_length,
+                                            engine.broadcast)
     if cfg.task.label_names != label_names:   # text labels, sorted: now part of the run's config
         config_yaml = to_yaml(cfg)
         print0(f"[data] text labels, in sorted order: {dict(enumerate(cfg.task.label_names))} (set task.label_names "
@@ -128,7 +131,7 @@ def main(cfg: Config) -> dict:
         print0(f"[memory] predicted per device ({plan.name}; all backends: make memory): " + describe_plan(memory_plan))
     mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
     flops_token = flops_per_token(model_config, cfg.data.max_seq_length, mlm_fraction)
-    peak, peak_source = peak_flops(engine.device, cfg.train.mixed_precision)
+    peak, peak_source = peak_flops(engine.device, cfg.train.mixed_precision, cfg.train.tf32)
     print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
            f"({peak_source}); MFU counts every device" + (", idle pipeline bubbles included" if plan.pipeline else ""))
     baseline = None
@@ -171,6 +174,8 @@ def train(run: Run) -> None:
     bar = tqdm(total=run.total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
                disable=not (engine.is_local_main and cfg.logging.progress_bar))
     guard = run.guard = StepGuard(cfg.train.max_bad_steps, state.get("skipped_steps", 0))
+    if engine.on_gpu:   # peak memory of training, not of loading and preparing
+        torch.cuda.reset_peak_memory_stats()
     while state["step"] < run.stop_at and not run.stop_signal:
         epoch, done = divmod(state["step"], run.steps_per_epoch)
         run.collate.epoch = epoch   # MLM masks are a function of (seed, epoch, example)
@@ -186,7 +191,10 @@ def train(run: Run) -> None:
             # One small CPU all-reduce per step: a stop signal any rank got, a non-finite loss on any rank.
             run.stop_signal, bad_loss = map(int, all_max([run.preemption.received, not math.isfinite(float(loss))],
                                                          engine.control))
-            note = guard.after_step(step, applied and not bad_loss, float(loss), grad_norm, engine.lr())
+            # fp16: a skip with a finite loss is the loss scaler's overflow (normal while it finds its
+            # scale): counted as skipped, but not toward a divergence
+            overflow = cfg.train.mixed_precision == "fp16" and not applied and not bad_loss
+            note = guard.after_step(step, applied, bool(bad_loss), overflow, float(loss), grad_norm, engine.lr())
             state["skipped_steps"] = guard.skipped_total
             if note:
                 engine.print0(note)
@@ -194,10 +202,11 @@ def train(run: Run) -> None:
                 row = log_step(run, meter.read(engine.all_sum, engine.device), grad_norm, watch)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             t_aside = time.perf_counter()
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < run.total_steps:
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < run.total_steps \
+                    and not run.stop_signal:   # a stop signal: the save comes first, within the grace period
                 run_eval(run)
-            if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < run.total_steps
-                    and not run.stop_signal):
+            if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < run.stop_at
+                    and not run.stop_signal):   # (the halt and the end save in finish)
                 checkpoint_now(run)
             meter.exclude(time.perf_counter() - t_aside)   # eval and checkpoints are not training time
             if step >= run.stop_at or run.stop_signal:
@@ -218,10 +227,12 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
     _, warning = watch.verdict(row["data_wait_share"], row["window_steps"], row["window_s"])
     if warning:
         engine.print0(warning)
+    memory = ""
+    if engine.on_gpu:   # the allocator's peak since the loop began, the largest over the ranks
+        row["peak_memory_gb"] = all_max([torch.cuda.max_memory_allocated() / 1e9], engine.control)[0]
+        memory = f" peak mem {row['peak_memory_gb']:.2f} GB (max over ranks; predicted {run.predicted_peak_gb:.2f})"
     run.state["history"]["train"].append(row)
     engine.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step)
-    memory = (f" peak mem {torch.cuda.max_memory_allocated() / 1e9:.2f} GB (predicted {run.predicted_peak_gb:.2f})"
-              if torch.cuda.is_available() else "")
     engine.print0(f"[train] step {step}/{run.total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
                   f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
                   f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
@@ -240,16 +251,17 @@ def run_eval(run: Run) -> dict:
     return metrics
 
 
-def checkpoint_now(run: Run) -> None:
+def checkpoint_now(run: Run) -> bool:
     """A checkpoint at this step, unless the last step was not finite: a diverging state never
     replaces the last good checkpoint."""
     engine = run.engine
     if run.guard is not None and run.guard.streak:
         engine.print0(f"[checkpoint] not saved at step {run.state['step']}: the last {run.guard.streak} steps were "
                       "not finite; the previous checkpoint stays the latest")
-        return
+        return False
     save_checkpoint(run.output_dir, run.state["step"], run.state, run.config_yaml, run.cfg.checkpoint.keep_last,
                     engine.save, engine.is_main, engine.barrier)
+    return True
 
 
 # ----------------------------------------------------------------------------- save
@@ -258,16 +270,16 @@ def finish(run: Run, wall_time_s: float) -> dict:
     metrics.json, curves.png and the summary lines."""
     cfg, engine, state, print0 = run.cfg, run.engine, run.state, run.engine.print0
     if state["step"] < run.total_steps:   # halted or preempted: save and leave the rest to --resume auto
-        checkpoint_now(run)
+        saved = "checkpoint saved" if checkpoint_now(run) else "no checkpoint (the last steps were not finite)"
         halted = {"steps": state["step"], "halted": True}
         if run.stop_signal:
             name = signal.Signals(run.stop_signal).name
             halted.update(preempted=name, exit_code=preempted_exit_code(run.stop_signal))
             print0(f"[preempt] {name} received: every rank stopped after step {state['step']}/{run.total_steps}, "
-                   f"checkpoint saved; exiting with code {halted['exit_code']}; continue with --resume auto")
+                   f"{saved}; exiting with code {halted['exit_code']}; continue with --resume auto")
         else:
             print0(f"[halt] stopped at step {state['step']}/{run.total_steps} as train.halt_at_step asks; "
-                   f"checkpoint saved, continue with --resume auto")
+                   f"{saved}, continue with --resume auto")
         if engine.is_main:
             write_metrics(run.output_dir / "metrics.json", halted, state["history"], {"config": flat_dict(cfg)})
         engine.finish()
@@ -331,6 +343,10 @@ def run_cli(argv: list[str] | None = None) -> int:
     when preempted (143 SIGTERM, 138 SIGUSR1). Messages for 2-4 come once, from rank 0 (4: from
     the rank that saw it), without a traceback."""
     rank, cfg = int(os.environ.get("RANK", "0")), Config()
+    # Rank 0 prints a user's mistake; so does the first rank of every other node (prefixed), so that an
+    # error only one node sees (a node-local path) is not lost. One node: one line.
+    speaks = rank == 0 or os.environ.get("LOCAL_RANK") == "0"
+    prefix = "" if rank == 0 else f"[rank {rank}] "
     try:
         cfg, print_only = parse_args(argv)
         if print_only:
@@ -339,12 +355,8 @@ def run_cli(argv: list[str] | None = None) -> int:
             return 0
         return main(cfg).get("exit_code", 0)
     except ConfigError as e:
-        if rank == 0:
-            print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except FileNotFoundError as e:   # a path the recipe names (resume, data)
-        if rank == 0:
-            print(f"config error: {first_line(e)}", file=sys.stderr)
+        if speaks:
+            print(f"{prefix}config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except Diverged as e:
         if rank == 0:

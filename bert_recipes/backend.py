@@ -131,6 +131,40 @@ def plan_from_config_file(path: str | Path) -> LaunchPlan:
     return plan
 
 
+# ---------------------------------------------------------------------------- the device
+def decide_on_gpu(plan: LaunchPlan, env=os.environ, cuda_available: bool | None = None) -> bool:
+    """The one answer to "does this run train on CUDA GPUs?", used for the process-group backend,
+    the fp16 and bf16 checks, the optimizer kernel, pinned memory and the GPU statistics: CUDA is
+    visible and the launch did not ask for CPU. DS_ACCELERATOR=cpu with GPUs visible is refused:
+    Accelerate would still pick NCCL and CUDA devices and DeepSpeed would send CPU tensors over NCCL
+    (the CPU launch rule hides the GPUs: make <mode> CPU=1 sets CUDA_VISIBLE_DEVICES=)."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if env.get("DS_ACCELERATOR") == "cpu" and cuda:
+        raise ConfigError("DS_ACCELERATOR=cpu asks DeepSpeed for a CPU run but CUDA GPUs are visible, so Accelerate "
+                          "would use NCCL and CUDA devices; hide them (CUDA_VISIBLE_DEVICES=, as make <mode> CPU=1 "
+                          "does) or unset DS_ACCELERATOR to train on the GPUs")
+    return cuda and not plan.cpu
+
+
+def set_tf32(enabled: bool, on_gpu: bool) -> None:
+    """fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer; a no-op before), as
+    NVIDIA's recipes train; MFU then divides by the TF32 peak (bert_recipes.perf.gpu_peak)."""
+    if on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def bf16_supported(capability: tuple[int, int] | None) -> bool:
+    """Native bf16 needs compute capability 8.0 (Ampere) or newer. torch.cuda.is_bf16_supported()
+    also says yes on V100/T4, where bf16 is emulated and slow."""
+    return capability is not None and tuple(capability) >= (8, 0)
+
+
+def local_capability() -> tuple[int, int]:
+    """This rank's GPU (LOCAL_RANK), read before any device is set, without touching GPU 0."""
+    return torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 # ---------------------------------------------------------------------------- the backend matrix
 @dataclass(frozen=True)
 class BackendRow:
@@ -145,12 +179,12 @@ class BackendRow:
         return plan_from_config_file(REPO / self.config)
 
     def cpu_launch_env(self, env: dict) -> dict:
-        """`env` with this row's CPU launch variable. DeepSpeed on CPU needs DS_ACCELERATOR=cpu and
+        """`env` with this row's CPU launch variables. DeepSpeed on CPU needs DS_ACCELERATOR=cpu and
         must NOT see ACCELERATE_USE_CPU (Accelerate would silently run plain DDP instead)."""
-        var, value = self.cpu_env.split("=", 1)
-        out = {k: v for k, v in env.items() if not (var == "DS_ACCELERATOR" and k == "ACCELERATE_USE_CPU")}
-        out[var] = value
-        return out
+        assignments = dict(item.split("=", 1) for item in self.cpu_env.split())
+        deepspeed = assignments.get("DS_ACCELERATOR") == "cpu"
+        out = {k: v for k, v in env.items() if not (deepspeed and k == "ACCELERATE_USE_CPU")}
+        return {**out, **assignments}
 
 
 def backend_rows() -> dict[str, BackendRow]:
@@ -168,7 +202,8 @@ def _set(value) -> bool:
     return value is not None and value != "auto"
 
 
-def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int, has_cuda: bool) -> None:
+def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int, has_cuda: bool,
+                      capability: tuple[int, int] | None = None) -> None:
     """Compare recipe, accelerate YAML and DeepSpeed JSON; raise one ConfigError naming every conflict
     with both values. The recipe owns the maths: launch files may leave a value unset/"auto" or
     repeat it, but not contradict it."""
@@ -230,8 +265,10 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
     if t.mixed_precision == "fp16" and not has_cuda:
         conflicts.append("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU Accelerate would silently train "
                          "in fp32. Use bf16 (supported on CPU) or no")
-    if t.mixed_precision == "bf16" and has_cuda and not torch.cuda.is_bf16_supported():
-        conflicts.append("train.mixed_precision=bf16 but this GPU has no bf16 (pre-Ampere): use fp16")
+    if t.mixed_precision == "bf16" and has_cuda and not bf16_supported(capability):
+        major, minor = capability
+        conflicts.append(f"train.mixed_precision=bf16 but this GPU (compute capability {major}.{minor}) has no native "
+                         "bf16 (it needs 8.0, Ampere or newer; older GPUs emulate it slowly): use fp16")
     if len(conflicts) == 1:
         raise ConfigError(f"the launch config conflicts with the recipe: {conflicts[0]}")
     if conflicts:
@@ -262,7 +299,7 @@ def check_engaged(accelerator, plan: LaunchPlan) -> None:
 
 def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
     """The Accelerator, with the settings the recipe owns (precision, accumulation, trackers).
-    The backend itself (DDP, DeepSpeed, FSDP) comes from the launch config. -> (accelerator, accum)"""
+    The backend itself (DDP, DeepSpeed, FSDP) comes from the launch config. -> (accelerator, accum, on_gpu)"""
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
                                   ProjectConfiguration)
@@ -271,11 +308,12 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
     # and recipe / accelerate YAML / DeepSpeed JSON are compared before any heavy work.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     accum = grad_accum_steps(cfg.train, world_size)
-    check_consistency(cfg, plan, world_size, accum, torch.cuda.is_available())
+    on_gpu = decide_on_gpu(plan)
+    check_consistency(cfg, plan, world_size, accum, on_gpu, local_capability() if on_gpu else None)
     # Every collective gives up after train.collective_timeout_s (a stuck rank, a lost node). On CPU
     # the backend must be named: otherwise Accelerate leaves it unset for DeepSpeed and sees 1 process.
     handlers = [] if world_size == 1 else [InitProcessGroupKwargs(
-        backend=None if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
+        backend=None if on_gpu else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
     trackers = check_trackers(cfg.logging.trackers)
     accelerator = Accelerator(
         mixed_precision=cfg.train.mixed_precision,
@@ -295,7 +333,7 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
         raise ConfigError(f"the launcher started {world_size} processes but Accelerate sees "
                            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
                            "see README 'Launching on CPU' for launch commands that really distribute")
-    return accelerator, accum
+    return accelerator, accum, on_gpu
 
 
 def check_trackers(trackers: list[str]) -> list[str]:

@@ -92,8 +92,8 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> tuple[Path | N
         return None, notes
     path = Path(resume)
     if not (path / STATE_FILE).exists():
-        raise FileNotFoundError(f"checkpoint.resume={resume}: not a complete checkpoint (no {STATE_FILE}); "
-                                f"use --resume auto or a step_XXXXXXXX directory under <output_dir>/checkpoints")
+        raise ConfigError(f"checkpoint.resume={resume}: not a complete checkpoint (no {STATE_FILE}); "
+                          f"use --resume auto or a step_XXXXXXXX directory under <output_dir>/checkpoints")
     problem = damage(path)
     if problem is not None:
         raise ConfigError(f"checkpoint.resume={resume} is damaged: {problem}; pick an earlier checkpoint or "
@@ -169,6 +169,31 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
     if resume is not None and changes:
         return ["[resume] the config differs from the checkpoint's: " + "; ".join(changes)]
     return []
+
+
+def check_shared_output_dir(output_dir: Path, engine) -> None:
+    """Rank 0 creates each checkpoint directory and every rank writes its own files into it, so all
+    ranks must see one output_dir. Rank 0 leaves a marker beside it; a rank that cannot see it is on
+    a node whose disk is not shared: refused, on every rank, before anything else is written."""
+    if engine.num_processes == 1:
+        return
+    import secrets
+
+    from .guard import all_max
+    marker = output_dir.parent / f".{output_dir.name}.shared-check-{engine.broadcast(secrets.token_hex(8))}"
+    if engine.is_main:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    engine.barrier()
+    blind = int(all_max([float(not marker.exists())], engine.control)[0])
+    engine.barrier()
+    if engine.is_main:
+        marker.unlink()
+    if blind:
+        raise ConfigError(f"run.output_dir={output_dir} is not shared by every rank: some cannot see a file rank 0 "
+                          "wrote beside it (a node-local disk). Checkpoints are written by all ranks into "
+                          "directories rank 0 creates, so put run.output_dir on a filesystem every node mounts "
+                          "(NFS, Lustre, GPFS); the data and tokenizer caches may stay node-local")
 
 
 def start_output_dir(output_dir: Path, config_yaml: str, overwrite: bool, resume: str | None) -> None:

@@ -22,6 +22,11 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key."""
 
 
+def first_line(err: BaseException) -> str:
+    """An exception's message in one line, for messages that quote a library's error."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 @dataclass
 class RunConfig:
     name: str = "bert"
@@ -155,6 +160,10 @@ class TrainConfig:
     epochs: Optional[float] = None
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """fp16 needs a CUDA GPU: on a CPU it is refused (Accelerate would silently ignore it)."""
+    tf32: bool = True
+    """On GPUs of compute capability 8.0 or newer, fp32 matmuls run on TF32 tensor cores (10-bit
+    mantissa, ~8x the fp32 rate), as NVIDIA's BERT recipes train; MFU divides by the TF32 peak.
+    false: full-FP32 matmuls, and MFU against the FP32 peak. Has no effect on CPUs."""
     eval_every: Optional[int] = None
     """Evaluate every N optimizer steps (and always at the end). None: only at the end."""
     halt_at_step: Optional[int] = None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig
+from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig, first_line
 
 _FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
                   ".csv": "csv", ".parquet": "parquet"}
@@ -136,9 +136,10 @@ def train_wordpiece(batches, vocab_size: int, lowercase: bool):
 
 
 def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, train_raw, data: DataConfig,
-                  save_dir: Path, is_main: bool, barrier):
-    """Load the configured tokenizer, or train one (on rank 0, once) and save it to save_dir.
-    A tokenizer already in save_dir (a resumed run) is reused, so resumes tokenize identically."""
+                  save_dir: Path, is_main: bool, broadcast=lambda obj: obj):
+    """Load the configured tokenizer, or train one (on rank 0, once). A tokenizer already in save_dir
+    (a resumed run) is reused, so resumes tokenize identically. A trained tokenizer reaches the other
+    ranks as rank 0's files over `broadcast`, so nodes need not share a disk for it."""
     from transformers import AutoTokenizer
 
     name = tok_cfg.name_or_path or model_name_or_path
@@ -147,25 +148,28 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
             return AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as err:
             key = "tokenizer.name_or_path" if tok_cfg.name_or_path else "model.name_or_path"
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ConfigError(f"{key}={name}: cannot load a tokenizer from it ({reason}); give a directory with "
+            raise ConfigError(f"{key}={name}: cannot load a tokenizer from it ({first_line(err)}); give a directory with "
                               "tokenizer files (an export's model/ has them) or a Hub name") from None
-    # Only rank 0 looks at the disk and decides; the barrier is unconditional. (Letting each rank
-    # test "exists?" itself deadlocks when a slow rank sees the file rank 0 has just written and
-    # skips a barrier that rank 0 is waiting in.) A trained tokenizer goes to a cache keyed by the
+    # Only rank 0 looks at the disk and decides. A trained tokenizer goes to a cache keyed by the
     # training data, outside output_dir: the run copies it in once it starts writing, so a run
     # refused later (too little data, a bad setting) leaves its output_dir untouched.
-    cache = _trained_tokenizer_dir(train_raw, data, tok_cfg)
-    if is_main and not (save_dir / "tokenizer.json").exists() and not (cache / "tokenizer.json").exists():
-        tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, cache)
-        except OSError:   # another run trained the same one meanwhile: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
-    return AutoTokenizer.from_pretrained(str(save_dir if (save_dir / "tokenizer.json").exists() else cache))
+    def rank0_files():
+        source = save_dir if (save_dir / "tokenizer.json").exists() else _trained_tokenizer_dir(train_raw, data, tok_cfg)
+        if not (source / "tokenizer.json").exists():
+            tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
+            tmp = source.with_name(source.name + f".tmp{os.getpid()}")
+            tokenizer.save_pretrained(tmp)
+            try:
+                os.replace(tmp, source)
+            except OSError:   # another run trained the same one meanwhile: keep theirs
+                shutil.rmtree(tmp, ignore_errors=True)
+        return {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    files = on_rank0(is_main, broadcast, rank0_files)   # every rank: rank 0's tokenizer files
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, content in files.items():
+            (Path(tmp) / name).write_bytes(content)
+        return AutoTokenizer.from_pretrained(tmp)
 
 
 def _trained_tokenizer_dir(train_raw, data: DataConfig, tok_cfg: TokenizerConfig) -> Path:
@@ -291,10 +295,6 @@ def _is_number(value) -> bool:
         return False
 
 
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 # ---------------------------------------------------------------------------- collators
 class Indexed(Dataset):
     """Adds each row's index as 'idx', which the MLM collator seeds its masking from."""
@@ -384,23 +384,60 @@ def loader_kwargs(data: DataConfig, collate, seed: int, pin: bool) -> dict:
 
 # ---------------------------------------------------------------------------- all of it
 @contextlib.contextmanager
-def main_first(is_main: bool, barrier):
-    """Rank 0 runs the block first (build, download, tokenize); the others then read its cache."""
+def main_first(is_main: bool, barrier, broadcast=lambda obj: obj):
+    """Rank 0 runs the block first (build, download, tokenize); the others then read its cache. If
+    rank 0 fails, every rank raises its error: nobody is left waiting in the barrier."""
     if not is_main:
         barrier()
-    yield
+        raise_shared(broadcast(None))
+    try:
+        yield
+    except Exception as err:
+        if is_main:
+            barrier()
+            broadcast(shared_error(err))
+        raise
     if is_main:
         barrier()
+        broadcast(None)
 
 
-def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: int | None = None):
+def shared_error(err: BaseException) -> tuple[bool, str]:
+    """An error of rank 0 as the other ranks will raise it: (was it a ConfigError, its message)."""
+    return isinstance(err, ConfigError), str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
+
+
+def raise_shared(error: tuple[bool, str] | None) -> None:
+    if error is not None:
+        is_config, message = error
+        raise ConfigError(message) if is_config else RuntimeError(f"rank 0 failed: {message}")
+
+
+def on_rank0(is_main: bool, broadcast, compute):
+    """compute() on rank 0 and its result on every rank; an error of rank 0 is raised on every rank."""
+    result, error = None, None
+    if is_main:
+        try:
+            result = compute()
+        except Exception as err:
+            error = shared_error(err)
+            broadcast((None, error))
+            raise
+    result, error = broadcast((result, error))
+    raise_shared(error)
+    return result
+
+
+def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: int | None = None,
+                 broadcast=lambda obj: obj):
     """raw text -> tokenizer (loaded, or trained once on rank 0) -> tokenized splits -> collator.
-    `cfg` is the whole Config: data, task, tokenizer, the model's name and the seed all meet here."""
-    with main_first(is_main, barrier):
+    `cfg` is the whole Config: data, task, tokenizer, the model's name and the seed all meet here.
+    Rank 0 goes first (download, tokenize, cache); `barrier` lets the others follow."""
+    with main_first(is_main, barrier, broadcast):
         raw = load_raw(cfg.data, cfg.task, cfg.run.seed)
     tokenizer = get_tokenizer(cfg.tokenizer, cfg.model.name_or_path, raw["train"], cfg.data,
-                              output_dir / "tokenizer", is_main, barrier)
-    with main_first(is_main, barrier):
+                              output_dir / "tokenizer", is_main, broadcast)
+    with main_first(is_main, barrier, broadcast):
         data = tokenize(raw, tokenizer, cfg.task, cfg.data, cfg.task.label_names)
     if cfg.task.kind == "classification" and cfg.task.label_names is None:
         # text labels without task.label_names: their sorted order becomes the run's label_names,

@@ -25,13 +25,13 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from .backend import LaunchPlan, build_accelerator, describe, rank_checksums
+from .backend import LaunchPlan, build_accelerator, describe, rank_checksums, set_tf32
 from .checkpoint import export_model
 from .config import Config
 from .data import Indexed, loader_kwargs
-from .guard import all_max, control_group, slow_barrier
+from .guard import control_group, slow_barrier, update_is_finite
+from .modeling import per_sample_mlm_loss
 from .perf import peak_memory_gb
 
 
@@ -53,7 +53,8 @@ class AccelerateEngine:
 
     def __init__(self, cfg: Config, plan: LaunchPlan, output_dir: Path):
         self.cfg, self.plan, self.name = cfg, plan, plan.name
-        self.accelerator, self.accum = build_accelerator(cfg, plan, output_dir)
+        self.accelerator, self.accum, self.on_gpu = build_accelerator(cfg, plan, output_dir)
+        set_tf32(cfg.train.tf32, self.on_gpu)
         a = self.accelerator
         self.control = control_group(cfg.train.collective_timeout_s)
         self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
@@ -97,7 +98,7 @@ class AccelerateEngine:
     def prepare(self, module, optimizer, scheduler, data, collate):
         from torch.utils.data import DataLoader
         t = self.cfg.train
-        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=torch.cuda.is_available())
+        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=self.on_gpu)
         train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, shuffle=True,
                                   drop_last=True, **kwargs)
         eval_loader = DataLoader(Indexed(data["eval"]), batch_size=t.eval_batch_size or t.micro_batch_size,
@@ -140,13 +141,14 @@ class AccelerateEngine:
         if self.plan.deepspeed:   # DeepSpeed skipped a non-finite step itself (its overflow check)
             applied = not a.optimizer_step_was_skipped
         else:
-            # One small all-reduce: every rank's loss and the (global) norm. fp16: the loss scaler
-            # skips an overflowing step itself and must see it to lower its scale, so it always steps.
-            finite = all_max([float(not (torch.isfinite(loss) and torch.isfinite(torch.as_tensor(grad_norm))))],
-                             self.control)[0] == 0
-            if finite or a.scaler is not None:
+            # One small all-reduce: every rank's loss and the (global) norm. A step that is not finite
+            # is not taken; under fp16 the loss scaler still records it (update() after unscale_),
+            # lowering its scale exactly when it found an overflow.
+            applied = update_is_finite(loss, grad_norm, self.control)
+            if applied:
                 self.optimizer.step()
-            applied = finite
+            elif a.scaler is not None:
+                a.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         if applied:
             self.scheduler.step()
@@ -164,15 +166,9 @@ class AccelerateEngine:
         rows: dict[str, list] = {}
         for batch in self.eval_loader:
             logits, labels = self.model(**batch).logits, batch["labels"]
-            if task.kind == "mlm":   # per-sample loss sums, so the mean is over tokens of all ranks
-                selected = labels != -100
-                if logits.dim() == 2:    # sparse head: one row per selected token
-                    token_loss = F.cross_entropy(logits.float(), labels[selected], reduction="none")
-                    per_sample = torch.zeros(len(labels), device=logits.device).index_add_(
-                        0, selected.nonzero()[:, 0], token_loss)
-                else:
-                    per_sample = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none").sum(1)
-                found = {"loss_sums": per_sample, "token_counts": selected.sum(1)}
+            if task.kind == "mlm":
+                sums, counts = per_sample_mlm_loss(logits, labels)
+                found = {"loss_sums": sums, "token_counts": counts}
             else:
                 preds = logits.squeeze(-1).float() if task.num_labels == 1 else logits.argmax(-1)
                 found = {"preds": preds, "refs": labels}
@@ -205,6 +201,7 @@ class AccelerateEngine:
     def final(self) -> dict:
         """Collective: every rank's peak memory (GPUs) and full-weight checksum."""
         a = self.accelerator
-        return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, a.process_index, a.num_processes, a.device),
+        return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, a.process_index, a.num_processes, a.device,
+                                                          self.on_gpu),
                 "rank_checksums": rank_checksums(a, self.model),
                 "distributed_type": str(a.distributed_type)}

@@ -16,12 +16,13 @@
 """
 from __future__ import annotations
 
-import math
 import signal
 import threading
 from datetime import timedelta
 
 import torch
+
+from .config import first_line
 
 EXIT_CONFIG = 2
 EXIT_DIVERGED = 3
@@ -73,6 +74,16 @@ def slow_barrier(group, timeout_s: float, what: str):
     return barrier
 
 
+def update_is_finite(loss, grad_norm, group) -> bool:
+    """Is this optimizer step safe to apply? Every rank's loss and the (global) gradient norm are
+    finite; one small all-reduce makes the answer the same on every rank. Under fp16 the norm is
+    taken after the loss scaler unscaled the gradients, so it is not finite exactly when the scaler
+    finds an overflow and skips the step itself (tests/test_gpu_paths.py checks this with a real
+    GradScaler)."""
+    local_bad = not (torch.isfinite(torch.as_tensor(loss)).all() and torch.isfinite(torch.as_tensor(grad_norm)).all())
+    return all_max([float(local_bad)], group)[0] == 0
+
+
 # ---------------------------------------------------------------------------- preemption
 class Preemption:
     """Records SIGTERM / SIGUSR1 while installed; `agreed(group)` is the signal any rank got (0 if none)."""
@@ -96,9 +107,6 @@ class Preemption:
             signal.signal(sig, signal.SIG_IGN if ignore_from_now else handler)
         self.previous = {}
 
-    def agreed(self, group) -> int:
-        return int(all_max([float(self.received)], group)[0])
-
 
 # ---------------------------------------------------------------------------- non-finite steps
 class StepGuard:
@@ -110,17 +118,22 @@ class StepGuard:
         self.streak = 0
         self.last_good: tuple[int, float] | None = None   # (step, loss)
 
-    def after_step(self, step: int, applied: bool, loss: float, grad_norm: float | None, lr: float) -> str | None:
-        """-> a one-line note when the update was skipped; raises Diverged after max_bad_steps in a row."""
-        if applied and math.isfinite(loss):
+    def after_step(self, step: int, applied: bool, bad_loss: bool, overflow: bool, loss: float,
+                   grad_norm: float | None, lr: float) -> str | None:
+        """applied: the engine updated the weights (the same on every rank); bad_loss: some rank's loss
+        was not finite; overflow: an fp16 loss-scale overflow, which the scaler handles (not a
+        divergence). -> a one-line note for a bad step; raises Diverged after max_bad_steps in a row."""
+        self.skipped_total += not applied
+        if overflow or (applied and not bad_loss):
             self.streak = 0
-            self.last_good = (step, loss)
+            if applied:
+                self.last_good = (step, loss)
             return None
         self.streak += 1
-        self.skipped_total += not applied
         if self.streak >= self.max_bad_steps:
             raise Diverged(self.diagnosis(step, loss, grad_norm, lr))
-        return (f"[skip] step {step}: loss {loss:.4g}, grad norm {_fmt(grad_norm)}: not finite, update skipped "
+        what = "update skipped" if not applied else "applied by DeepSpeed (its check looks at the gradients only)"
+        return (f"[skip] step {step}: loss {loss:.4g}, grad norm {_fmt(grad_norm)}: not finite, {what} "
                 f"({self.streak} in a row; the run stops at train.max_bad_steps={self.max_bad_steps})")
 
     def diagnosis(self, step: int, loss: float, grad_norm: float | None, lr: float) -> str:
@@ -128,8 +141,8 @@ class StepGuard:
                 else "no finite step since the run (re)started")
         return (f"[diverged] {self.streak} steps in a row had a non-finite loss or gradient norm (train.max_bad_steps="
                 f"{self.max_bad_steps}); stopped at step {step}, lr {lr:.3e}, loss {loss:.4g}, grad norm "
-                f"{_fmt(grad_norm)}; {last}. Every one of those updates was skipped and no checkpoint was written "
-                "during the streak: the latest checkpoint is the last good state. Likely causes, most likely first:\n"
+                f"{_fmt(grad_norm)}; {last}. Non-finite updates were skipped and no checkpoint was written during "
+                "the streak: the latest checkpoint is the last good state. Likely causes, most likely first:\n"
                 "  1. the learning rate is too high for this batch size: lower optim.lr or lengthen optim.warmup_steps;\n"
                 "  2. extreme or corrupt examples (a regression target of 1e20, a broken label): check the data;\n"
                 "  3. fp16 overflow: use bf16 where the hardware has it (train.mixed_precision=bf16);\n"
@@ -140,12 +153,10 @@ def _fmt(value) -> str:
     return "n/a" if value is None else f"{float(value):.4g}"
 
 
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def is_collective_timeout(err: BaseException) -> bool:
-    """A gloo / NCCL collective that gave up waiting for a peer."""
-    text = str(err).lower()
-    return isinstance(err, (RuntimeError, TimeoutError)) and ("timed out" in text or "timeout" in text
-                                                              or "connection closed by peer" in text)
+    """A collective that gave up waiting for a peer: gloo's "Timed out waiting ...", NCCL's watchdog
+    timeout, a peer's socket closing under gloo, or our own data-preparation barrier."""
+    text = str(err)
+    return isinstance(err, TimeoutError) or (isinstance(err, RuntimeError) and any(
+        marker in text for marker in ("Timed out waiting", "Watchdog caught collective operation timeout",
+                                      "Connection closed by peer", "Connection reset by peer")))

@@ -9,7 +9,27 @@ import torch.nn.functional as F
 from transformers import BertForMaskedLM
 from transformers.modeling_outputs import MaskedLMOutput
 
-from .config import ConfigError, ModelConfig, TaskConfig
+from .config import ConfigError, ModelConfig, TaskConfig, first_line
+
+
+def masked_lm_loss(logits, labels):
+    """Cross-entropy averaged over the labelled tokens, in fp32; 0, not NaN, for a batch in which no
+    token was masked (a short sequence can draw none), so such a step is not taken for a divergence."""
+    total = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+    return total / (labels != -100).sum().clamp(min=1)
+
+
+def per_sample_mlm_loss(logits, labels):
+    """-> (summed loss, labelled tokens) of each sample, so an evaluation's mean is over all tokens of
+    all ranks. `logits`: (batch, seq, vocab), or one row per labelled token (the sparse head)."""
+    import torch
+    selected = labels != -100
+    if logits.dim() == 2:
+        token_loss = F.cross_entropy(logits.float(), labels[selected], reduction="none")
+        sums = torch.zeros(len(labels), device=logits.device).index_add_(0, selected.nonzero()[:, 0], token_loss)
+    else:
+        sums = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none").sum(1)
+    return sums, selected.sum(1)
 
 
 class RecipeBertForMaskedLM(BertForMaskedLM):
@@ -46,10 +66,9 @@ class RecipeBertForMaskedLM(BertForMaskedLM):
         if self.sparse_head:
             selected = labels != -100
             logits = self.head(hidden[selected])
-            return MaskedLMOutput(loss=F.cross_entropy(logits.float(), labels[selected]), logits=logits)
+            return MaskedLMOutput(loss=masked_lm_loss(logits, labels[selected]), logits=logits)
         logits = self.head(hidden)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
-        return MaskedLMOutput(loss=loss, logits=logits)
+        return MaskedLMOutput(loss=masked_lm_loss(logits.view(-1, logits.size(-1)), labels.view(-1)), logits=logits)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         super().save_pretrained(save_directory, *args, **kwargs)
@@ -134,6 +153,3 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
-
-def first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]

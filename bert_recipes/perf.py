@@ -13,22 +13,39 @@ from pathlib import Path
 
 import torch
 
-# Dense peak FLOP/s per device, (16-bit tensor cores, fp32 path), from the vendors' datasheets
-# (dense, no sparsity; the fp32 column is TF32 on Ampere and newer, as torch uses it for matmuls
-# when allowed, else plain fp32). Matched by substring of torch.cuda.get_device_name().
-GPU_PEAK_FLOPS = {
-    "H200": (989e12, 494e12),
-    "H100": (989e12, 494e12),     # SXM; the PCIe card is ~756e12
-    "A100": (312e12, 156e12),
-    "A10G": (70e12, 35e12),
-    "A10": (125e12, 62.5e12),
-    "L40S": (362e12, 183e12),
-    "L4": (121e12, 60e12),
-    "V100": (125e12, 15.7e12),
-    "T4": (65e12, 8.1e12),
-    "RTX 4090": (165e12, 82.6e12),
-    "RTX 3090": (71e12, 35.6e12),
-}
+# Dense peak FLOP/s per device from the vendors' datasheets (no sparsity): (16-bit tensor cores,
+# TF32 tensor cores, plain FP32). Matched as whole words of torch.cuda.get_device_name(), most
+# specific first, so "L4" is not "L40S" and an H100 PCIe is not an H100 SXM. Pre-Ampere GPUs have no
+# TF32: their middle column is the FP32 figure.
+GPU_PEAK_FLOPS = [
+    ("H200 NVL", (835e12, 418e12, 60e12)),
+    ("H200", (989e12, 494e12, 67e12)),        # SXM
+    ("H100 NVL", (835e12, 418e12, 60e12)),
+    ("H100 PCIe", (756e12, 378e12, 51e12)),
+    ("H100", (989e12, 494e12, 67e12)),        # SXM
+    ("A100", (312e12, 156e12, 19.5e12)),      # SXM and PCIe alike
+    ("A10G", (70e12, 35e12, 31.2e12)),
+    ("A10", (125e12, 62.5e12, 31.2e12)),
+    ("L40S", (362e12, 183e12, 91.6e12)),
+    ("L40", (181e12, 90.5e12, 90.5e12)),
+    ("L4", (121e12, 60e12, 30.3e12)),
+    ("V100", (125e12, 15.7e12, 15.7e12)),
+    ("T4", (65e12, 8.1e12, 8.1e12)),
+    ("RTX 4090", (165e12, 82.6e12, 82.6e12)),
+    ("RTX 3090", (71e12, 35.6e12, 35.6e12)),
+]
+
+
+def gpu_peak(name: str, mixed_precision: str, tf32: bool) -> tuple[float, str]:
+    """(peak FLOP/s, its source) for a GPU name: the 16-bit peak under bf16/fp16, else TF32 or FP32
+    as the run's matmuls use (train.tf32)."""
+    import re
+    for key, (half, tf32_peak, fp32) in GPU_PEAK_FLOPS:
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", name):
+            if mixed_precision in ("bf16", "fp16"):
+                return half, f"datasheet {key}, 16-bit"
+            return (tf32_peak, f"datasheet {key}, TF32") if tf32 else (fp32, f"datasheet {key}, FP32")
+    return float("nan"), f"unknown GPU {name!r}: add it to GPU_PEAK_FLOPS"
 
 
 def flops_per_token(config, seq_len: int, mlm_fraction: float | None) -> float:
@@ -76,14 +93,10 @@ def measured_cpu_peak(dtype=torch.float32, size: int = 1024, repeats: int = 5) -
     return peak
 
 
-def peak_flops(device: torch.device, mixed_precision: str) -> tuple[float, str]:
+def peak_flops(device: torch.device, mixed_precision: str, tf32: bool = True) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the figure comes from)."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (half, single) in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return (half if mixed_precision in ("bf16", "fp16") else single), f"datasheet {key}"
-        return float("nan"), f"unknown GPU {name!r}: add it to GPU_PEAK_FLOPS"
+        return gpu_peak(torch.cuda.get_device_name(device), mixed_precision, tf32)
     dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     return measured_cpu_peak(dtype), "measured CPU matmul peak"
 
@@ -132,9 +145,9 @@ def profile_table(profiler, output_dir) -> str:
     return f"[profile] top 10 operators by self time (trace: tensorboard --logdir {output_dir / 'profile'})\n{table}"
 
 
-def peak_memory_gb(all_sum, rank: int, world: int, device) -> list[float] | None:
+def peak_memory_gb(all_sum, rank: int, world: int, device, on_gpu: bool) -> list[float] | None:
     """torch.cuda.max_memory_allocated of every rank, in GB (None on CPU). Collective."""
-    if not torch.cuda.is_available():
+    if not on_gpu:
         return None
     local = torch.zeros(world, dtype=torch.float64, device=device)
     local[rank] = torch.cuda.max_memory_allocated() / 1e9

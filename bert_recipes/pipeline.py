@@ -21,6 +21,7 @@ Micro-batches per optimizer step = gradient accumulation = global / (micro x dat
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 from datetime import timedelta
@@ -33,6 +34,7 @@ from torch.utils.data import BatchSampler
 
 from .config import Config, ConfigError
 from .guard import control_group, slow_barrier
+from .modeling import masked_lm_loss, per_sample_mlm_loss
 
 TIED_KEY = "embeddings"
 
@@ -167,7 +169,7 @@ def to_hf_name(key: str, names: dict[str, str]) -> str | None:
 
 
 def mlm_loss(logits, labels):
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
+    return masked_lm_loss(logits.view(-1, logits.size(-1)), labels.view(-1))
 
 
 def classification_loss(num_labels: int):
@@ -185,8 +187,6 @@ def pipeline_settings(ds_config: dict) -> tuple[int, str]:
     if not isinstance(stages, int) or stages < 1:
         raise ConfigError(f"pipeline.stages must be a positive integer, got {stages!r}")
     return stages, pipe.get("partition", "parameters")
-
-
 
 
 class _ReplicaBatches(BatchSampler):
@@ -217,7 +217,7 @@ class PipelineEngine:
         import deepspeed
         import deepspeed.comm as dist
 
-        from .backend import check_consistency, check_trackers
+        from .backend import check_consistency, check_trackers, decide_on_gpu, local_capability, set_tf32
         from .config import grad_accum_steps
         if cfg.model.gradient_checkpointing:
             raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
@@ -226,7 +226,9 @@ class PipelineEngine:
         if set(trackers) - {"tensorboard"}:
             raise ConfigError(f"logging.trackers={trackers}: the pipeline engine logs to tensorboard only")
         self.cfg, self.plan, self.output_dir, self.trackers = cfg, plan, output_dir, trackers
-        deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo",
+        self.on_gpu = decide_on_gpu(plan)
+        set_tf32(cfg.train.tf32, self.on_gpu)
+        deepspeed.init_distributed(dist_backend=None if self.on_gpu else "gloo",
                                    timeout=timedelta(seconds=cfg.train.collective_timeout_s))
         self.dist = dist
         self.control = control_group(cfg.train.collective_timeout_s)
@@ -238,11 +240,10 @@ class PipelineEngine:
                               f"{plan.ds_config_path}): the world size must be a multiple of the stage count")
         self.num_processes, self.replicas = world, world // self.stages
         self.accum = grad_accum_steps(cfg.train, self.replicas)
-        check_consistency(cfg, plan, self.replicas, self.accum, torch.cuda.is_available())
+        check_consistency(cfg, plan, self.replicas, self.accum, self.on_gpu, local_capability() if self.on_gpu else None)
         self.is_main = self.rank == 0
         self.is_local_main = int(os.environ.get("LOCAL_RANK", "0")) == 0
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                       else torch.device("cpu"))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         self.fixed_length = cfg.data.max_seq_length   # the pipeline's buffers have fixed shapes
         self.writer = None
         self.setup_line = (f"DeepSpeed pipeline engine, {self.stages} stages x {self.replicas} data-parallel replicas = "
@@ -322,8 +323,9 @@ class PipelineEngine:
         train_set = Indexed(data["train"])
         self.sampler = SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.cfg.run.seed)
         self.batch_sampler = _ReplicaBatches(self.sampler, t.micro_batch_size, self.replicas, self.replica)
+        # the loader's own generator: each new iterator draws its base seed from it, not from the global
+        # RNG, whose dropout stream a resumed run must continue exactly
         kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=False)
-        kwargs.pop("generator")   # the seedable sampler carries its own
         self.loader = DataLoader(train_set, batch_sampler=self.batch_sampler, **kwargs)
         self.eval_set, self.eval_collate = Indexed(data["eval"]), copy.copy(collate)
         self.scheduler, self.counts_data = scheduler, self.engine.is_first_stage()
@@ -379,8 +381,8 @@ class PipelineEngine:
             logits = logits[:valid].float()
             labels = batch["labels"][:valid].to(logits.device)   # the engine moved only its own copy
             if task.kind == "mlm":
-                token_loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
-                found = {"loss_sums": token_loss.sum(1), "token_counts": (labels != -100).sum(1)}
+                sums, counts = per_sample_mlm_loss(logits, labels)
+                found = {"loss_sums": sums, "token_counts": counts}
             else:
                 found = {"preds": logits.squeeze(-1) if task.num_labels == 1 else logits.argmax(-1), "refs": labels}
             for key, value in found.items():
@@ -392,10 +394,16 @@ class PipelineEngine:
 
     # ------------------------------------------------------------ state
     def save(self, path: str):
+        """DeepSpeed's pipeline checkpoint (weights, optimizer, schedule), plus every rank's random
+        state, which DeepSpeed does not keep: dropout then continues exactly on resume."""
         self.engine.save_checkpoint(path, tag="engine")
+        (Path(path) / f"rng_rank{self.rank}.json").write_text(json.dumps(rng_state(self.on_gpu)))
 
     def load(self, path: str):
         self.engine.load_checkpoint(str(path), tag="engine")
+        saved = Path(path) / f"rng_rank{self.rank}.json"
+        if saved.exists():
+            set_rng_state(json.loads(saved.read_text()))
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str) -> Path:
         """Gather every stage's weights onto rank 0 and write an ordinary Hugging Face model."""
@@ -423,8 +431,33 @@ class PipelineEngine:
 
     def final(self) -> dict:
         from .perf import peak_memory_gb
-        return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, self.rank, self.num_processes, self.device),
+        return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, self.rank, self.num_processes, self.device,
+                                                          self.on_gpu),
                 "distributed_type": "DEEPSPEED_PIPELINE"}
+
+
+def rng_state(on_gpu: bool) -> dict:
+    """This process's random generators as plain JSON (loading it needs no pickle)."""
+    import random
+
+    import numpy as np
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state().tolist(), "cuda": torch.cuda.get_rng_state().tolist() if on_gpu else None,
+            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+            "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _as_inputs(batch: dict):

@@ -6,7 +6,9 @@
 #   slurm/launch.sh <accelerate config> <recipe> [--section.key=value ...]
 #
 # Overridable by hand (the tests run 2 "nodes" on 127.0.0.1 this way): MASTER_ADDR, MASTER_PORT,
-# GPUS_PER_NODE. Every run passes --resume auto: a requeued job continues from its last checkpoint.
+# GPUS_PER_NODE. A requeued job (SLURM_RESTART_COUNT > 0) passes --resume auto and continues from its
+# last checkpoint; a first submission starts fresh, so an output_dir holding another run's checkpoints
+# is refused rather than continued (add --resume auto yourself to continue a run by hand).
 set -euo pipefail
 config=${1:?usage: slurm/launch.sh <accelerate config> <recipe> [--section.key=value ...]}
 recipe=${2:?usage: slurm/launch.sh <accelerate config> <recipe> [--section.key=value ...]}
@@ -21,6 +23,8 @@ main_port=${MASTER_PORT:-29500}
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
 echo "[slurm] node $node_rank/$nodes: $gpus processes, main $main_addr:$main_port, $config, $recipe"
+resume=()
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(--resume auto); fi
 exec accelerate launch --config_file "$config" --num_machines "$nodes" --machine_rank "$node_rank" \
     --num_processes $((nodes * gpus)) --main_process_ip "$main_addr" --main_process_port "$main_port" \
-    train.py --recipe "$recipe" --resume auto "$@"
+    train.py --recipe "$recipe" "${resume[@]}" "$@"

@@ -269,3 +269,21 @@ def test_epochs_give_the_same_steps_and_schedule_under_ddp_and_the_pipeline(tmp_
     assert lrs["ddp"][1] == pytest.approx(2e-3) and lrs["ddp"][-1] == 0.0   # warmup 2, linear decay to 0 at step 6
     gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(ddp["history"]["train"], pipe["history"]["train"])]
     assert max(gaps) < 1e-4, gaps
+
+
+def test_pipeline_resume_with_dropout_is_exact(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """Dropout on (BERT's 0.1): the pipeline's checkpoint carries every rank's random state (DeepSpeed
+    keeps none), so halting at 8 and resuming ends with the uninterrupted run's weights."""
+    def args(name):
+        return tiny_args(tmp_path / name, sample_dir, datasets_cache, **{
+            "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": STEPS, "checkpoint.save_every": 8})
+    full = launch(2, args("full"), backend="pipeline")
+    assert full["final"]["backend"]["pipeline_stages"] == 2 and full["final"]["num_processes"] == 2
+    launch(2, args("split") + ["train.halt_at_step=8"], backend="pipeline")
+    resumed = launch(2, args("split") + ["checkpoint.resume=auto"], backend="pipeline")
+    assert resumed["final"]["steps"] == STEPS
+    import yaml
+    assert yaml.safe_load((tmp_path / "split/config.yaml").read_text())["model"]["hidden_dropout_prob"] is None   # 0.1
+    wa, wb = load_file(tmp_path / "full/model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0, msg=k)

@@ -141,7 +141,7 @@ def test_make_targets_use_the_tables_cpu_launch_rule():
                                   check=True).stdout.strip().splitlines()[-1]
         assert f"--config_file {row.config} " in gpu_line and "ACCELERATE_USE_CPU" not in gpu_line, gpu_line
     env = backend_rows()["zero2"].cpu_launch_env({"ACCELERATE_USE_CPU": "1", "PATH": "/bin"})
-    assert env == {"DS_ACCELERATOR": "cpu", "PATH": "/bin"}
+    assert env == {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PATH": "/bin"}
 
 
 def test_tools_do_not_import_train_py():

@@ -72,9 +72,13 @@ def test_sbatch_checkpoints_and_requeues_on_usr1(tmp_path, sample_dir, datasets_
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     halted = json.loads((out / "metrics.json").read_text())["final"]
     assert halted["preempted"] == "SIGTERM" and 10 <= halted["steps"] < 60, halted
-    # the requeued job: the same command, continuing from that checkpoint
-    again = subprocess.run(["bash", "slurm/ddp.sbatch", "recipes/tiny-mlm.yaml", *args], cwd=REPO, env=env,
+    # a new submission of the same command is refused: it would overwrite the preempted run
+    fresh = subprocess.run(["bash", "slurm/ddp.sbatch", "recipes/tiny-mlm.yaml", *args], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=600)
+    assert fresh.returncode != 0 and "already holds checkpoints of this run" in fresh.stdout + fresh.stderr
+    # the requeued job (SLURM_RESTART_COUNT=1): the same command, continuing from that checkpoint
+    again = subprocess.run(["bash", "slurm/ddp.sbatch", "recipes/tiny-mlm.yaml", *args], cwd=REPO,
+                           env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:]
     assert f"[resume] from {out}/checkpoints/step_{halted['steps']:08d}" in again.stdout
     final = json.loads((out / "metrics.json").read_text())["final"]

@@ -132,7 +132,7 @@ def test_resume_skips_partial_checkpoints(tmp_path):
     assert resolve_resume("auto", tmp_path) == (root / "step_00000005", [])
     assert resolve_resume(None, tmp_path) == (None, [])
     assert resolve_resume("auto", tmp_path / "nothing") == (None, [])
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
         resolve_resume(str(root / "step_00000012"), tmp_path)
 
 

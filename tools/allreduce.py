@@ -30,6 +30,7 @@ EXPECTED_BUSBW_GBPS = {
     "nvlink3": ("NVLink 3 (A100)", 230.0),
     "nvlink4": ("NVLink 4 (H100/H200)", 360.0),
     "gloo-loopback": ("loopback gloo (CPU processes on one host)", 0.5),
+    "network": ("between nodes (InfiniBand / Ethernet: compare with the NICs' rate)", 10.0),
 }
 HANG_HELP = """all-reduce did not finish within {timeout}s on rank {rank}: a hang, not a slow link.
 Next steps:
@@ -54,14 +55,18 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def guess_link() -> str:
-    if not torch.cuda.is_available():
+def guess_link(gpu_name: str | None, multinode: bool) -> str:
+    """The link a ring all-reduce is limited by: the network between nodes; NVLink only on SXM
+    boards (PCIe cards and NVL pairs talk PCIe beyond their bridge); CPU processes use loopback."""
+    if gpu_name is None:
         return "gloo-loopback"
-    name = torch.cuda.get_device_name(0)
-    if "H100" in name or "H200" in name:
-        return "nvlink4"
-    if "A100" in name:
-        return "nvlink3"
+    if multinode:
+        return "network"
+    pcie_card = "PCIe" in gpu_name or "PCIE" in gpu_name or "NVL" in gpu_name
+    if "H100" in gpu_name or "H200" in gpu_name:
+        return "pcie5" if pcie_card else "nvlink4"
+    if "A100" in gpu_name:
+        return "pcie4" if pcie_card else "nvlink3"
     return "pcie4"
 
 
@@ -114,7 +119,8 @@ def main():
     if cuda:
         torch.cuda.set_device(device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    link = args.link or guess_link()
+    multinode = int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
+    link = args.link or guess_link(torch.cuda.get_device_name(device) if cuda else None, multinode)
     max_bytes = parse_size(args.max_bytes or ("1G" if cuda else "64M"))
     sizes, size = [], parse_size(args.min_bytes)
     while size <= max_bytes:

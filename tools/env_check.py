@@ -15,6 +15,10 @@ import platform
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bert_recipes.backend import bf16_supported   # noqa: E402
 
 
 def _version(module: str) -> str | None:
@@ -22,6 +26,11 @@ def _version(module: str) -> str | None:
         return getattr(importlib.import_module(module), "__version__", "installed")
     except Exception:   # a broken install should show up in the report, not crash it
         return None
+
+
+def _first_line(text: str | None) -> str | None:
+    """nvidia-smi repeats a per-host value (the driver) once per GPU."""
+    return text.strip().splitlines()[0].strip() if text and text.strip() else None
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -60,7 +69,7 @@ def collect() -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-        "driver": _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+        "driver": _first_line(_run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])),
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "gpus": [],
         "topology": _run(["nvidia-smi", "topo", "-m"]),
@@ -73,7 +82,8 @@ def collect() -> dict:
         for i in range(n):
             props = torch.cuda.get_device_properties(i)
             report["gpus"].append({"index": i, "name": props.name, "memory_gb": round(props.total_memory / 1e9, 1),
-                                   "capability": f"{props.major}.{props.minor}", "bf16": torch.cuda.is_bf16_supported()})
+                                   "capability": f"{props.major}.{props.minor}",
+                                   "bf16": bf16_supported((props.major, props.minor))})
         report["peer_access"] = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)]
                                  for i in range(n)]
     return report

@@ -33,33 +33,45 @@ def rows() -> list:
     return list(backend_rows().values())
 
 
-def run_row(row: dict, args, nproc: int, work: Path) -> dict:
-    out_dir = work / row.name
+def launch_train(row, args, nproc: int, out_dir: Path, overrides: list[str], log_path: Path) -> tuple[bool, str]:
+    """train.py under one row of the matrix on the devices present (or, with --cpu, the table's CPU
+    launch): the recipe tiny-mlm resized to --size, the given overrides last. -> (exit code 0?, output)"""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     config = row.config
-    if args.cpu:   # the CPU launch rule of the table: its variable and its config
+    if args.cpu:   # the CPU launch rule of the table: its variables and its config
         env, config = row.cpu_launch_env(env), row.cpu_config
-    overrides = [f"--run.output_dir={out_dir}", f"--train.max_steps={args.steps}", "--logging.progress_bar=false",
-                 f"--logging.log_every={max(1, args.steps // 2)}", "--train.eval_every=null",
-                 "--checkpoint.save_every=null", "--checkpoint.export=false", "--logging.trackers=[]",
-                 "--logging.plot=false", f"--train.mixed_precision={args.precision}",
-                 f"--data.max_seq_length={args.seq}", f"--model.max_position_embeddings={max(512, args.seq)}",
-                 f"--train.micro_batch_size={args.micro}", f"--train.global_batch_size={args.micro * nproc}"]
-    overrides += [f"--model.{k}={v}" for k, v in SIZES[args.size].items()]
+    base = [f"--run.output_dir={out_dir}", "--logging.progress_bar=false", "--logging.trackers=[]",
+            "--logging.plot=false", f"--train.mixed_precision={args.precision}",
+            f"--data.max_seq_length={args.seq}", f"--model.max_position_embeddings={max(512, args.seq)}",
+            f"--train.micro_batch_size={args.micro}", f"--train.global_batch_size={args.micro * nproc}"]
+    base += [f"--model.{k}={v}" for k, v in SIZES[args.size].items()]
     if getattr(args, "tokenizer", None):   # every row after the first: the same vocabulary, no retraining
-        overrides.append(f"--tokenizer.name_or_path={args.tokenizer}")
+        base.append(f"--tokenizer.name_or_path={args.tokenizer}")
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(REPO / config),
            "--num_processes", str(nproc)]
     if row.plan.num_machines > 1:   # one node here: the same config as a single machine
         cmd += ["--num_machines", "1", "--machine_rank", "0"]
-    cmd += ["train.py", "--recipe", "recipes/tiny-mlm.yaml"] + overrides
-    t0 = time.perf_counter()
+    cmd += ["train.py", "--recipe", "recipes/tiny-mlm.yaml"] + base + overrides
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    (work / f"{row.name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        last = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()][-1:]
-        return {"backend": row.name, "status": f"FAILED ({last[0][:80] if last else proc.returncode})"}
-    args.tokenizer = getattr(args, "tokenizer", None) or str(out_dir / "tokenizer")
+    log_path.write_text(proc.stdout + proc.stderr)
+    if proc.returncode == 0 and not getattr(args, "tokenizer", None):
+        args.tokenizer = str(out_dir / "tokenizer")
+    return proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def failure(log: str) -> str:
+    last = [line for line in log.splitlines() if line.strip()][-1:]
+    return f"FAILED ({last[0][:80] if last else 'no output'})"
+
+
+def run_row(row, args, nproc: int, work: Path) -> dict:
+    out_dir = work / row.name
+    t0 = time.perf_counter()
+    ok, log = launch_train(row, args, nproc, out_dir, [
+        f"--train.max_steps={args.steps}", f"--logging.log_every={max(1, args.steps // 2)}", "--train.eval_every=null",
+        "--checkpoint.save_every=null", "--checkpoint.export=false"], work / f"{row.name}.log")
+    if not ok:
+        return {"backend": row.name, "status": failure(log)}
     m = json.loads((out_dir / "metrics.json").read_text())
     final, train = m["final"], m["history"]["train"]
     last = train[-1]

@@ -186,7 +186,7 @@ def measure(args, cfg) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world
     out_dir = Path(cfg.run.output_dir)
-    accelerator, _ = build_accelerator(cfg, launch_plan, out_dir)
+    accelerator, _, _ = build_accelerator(cfg, launch_plan, out_dir)
     config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
     model = build_model(cfg.model, cfg.task, config=config)
     shape = Shape.from_config(config, cfg.task.kind)

@@ -1,0 +1,213 @@
+"""The GPU-only decisions, factored out and checked on CPU: which device a launch trains on, the
+default process count, bf16 by compute capability, TF32 and the peak each MFU divides by, the
+fp16 skip decision against a real GradScaler, the timeouts, and a node-local output_dir."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from bert_recipes.backend import LaunchPlan, backend_rows, bf16_supported, check_consistency, decide_on_gpu
+from bert_recipes.config import ConfigError, load_config
+from bert_recipes.guard import slow_barrier, update_is_finite
+from bert_recipes.perf import gpu_peak
+from conftest import REPO, _port, tiny_args
+
+RECIPE = REPO / "recipes/tiny-mlm.yaml"
+
+
+# ----------------------------------------------------------------------------- the device decision
+@pytest.mark.parametrize("cpu_flag, env, cuda, expected", [
+    (False, {}, True, True),                                # a GPU launch
+    (True, {}, True, False),                                # ACCELERATE_USE_CPU=1 on a GPU host: gloo, CPU
+    (False, {}, False, False),                              # no GPU
+    (False, {"DS_ACCELERATOR": "cpu"}, False, False),       # DeepSpeed on CPU with the GPUs hidden
+    (False, {"DS_ACCELERATOR": "cpu"}, True, ConfigError),  # DeepSpeed on CPU, GPUs visible: refused
+])
+def test_one_decision_says_whether_the_run_is_on_gpu(cpu_flag, env, cuda, expected):
+    plan = LaunchPlan(cpu=cpu_flag)
+    if expected is ConfigError:
+        with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES="):
+            decide_on_gpu(plan, env, cuda_available=cuda)
+    else:
+        assert decide_on_gpu(plan, env, cuda_available=cuda) is expected
+
+
+def test_every_cpu_launch_hides_the_gpus():
+    """The table's CPU rule, used by make <mode> CPU=1, tools/ and the tests: GPUs hidden, and
+    DeepSpeed rows never see ACCELERATE_USE_CPU."""
+    for name, row in backend_rows().items():
+        env = row.cpu_launch_env({"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "0,1"})
+        assert env["CUDA_VISIBLE_DEVICES"] == "", name
+        if row.plan.kind in ("deepspeed", "pipeline"):
+            assert env["DS_ACCELERATOR"] == "cpu" and "ACCELERATE_USE_CPU" not in env, name
+        else:
+            assert env["ACCELERATE_USE_CPU"] == "1" and "DS_ACCELERATOR" not in env, name
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["zero2", "GPUS=4"], "--num_processes 4"),       # one process per GPU present, not the YAML's 8
+    (["zero2", "GPUS=4", "NPROC=3"], "--num_processes 3"),
+    (["zero2", "GPUS=4", "CPU=1"], "--num_processes 2"),
+    (["zero2", "GPUS=0"], None),                      # no GPU and no CPU=1: the YAML's own count
+    (["multinode", "GPUS=4"], None),                  # multi-node: num_processes counts every node
+])
+def test_default_process_count(args, expected):
+    line = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    if expected is None:
+        assert "--num_processes" not in line, line
+    else:
+        assert expected in line, line
+
+
+# ----------------------------------------------------------------------------- bf16, TF32, peaks
+@pytest.mark.parametrize("capability, ok", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 9), True),
+                                            ((9, 0), True), (None, False)])
+def test_bf16_needs_compute_capability_8(capability, ok):
+    assert bf16_supported(capability) is ok
+    cfg = load_config(RECIPE, ["train.mixed_precision=bf16"])
+    if ok:
+        check_consistency(cfg, LaunchPlan(), 1, 2, has_cuda=True, capability=capability)
+    elif capability is not None:
+        with pytest.raises(ConfigError, match=rf"compute capability {capability[0]}\.{capability[1]}\) has no "
+                                              "native bf16"):
+            check_consistency(cfg, LaunchPlan(), 1, 2, has_cuda=True, capability=capability)
+
+
+@pytest.mark.parametrize("name, precision, tf32, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", True, 989e12),
+    ("NVIDIA H100 80GB HBM3", "no", True, 494e12),      # TF32 tensor cores
+    ("NVIDIA H100 80GB HBM3", "no", False, 67e12),      # full FP32: the FP32 peak, not the TF32 one
+    ("NVIDIA H100 PCIe", "bf16", True, 756e12),         # not the SXM figure
+    ("NVIDIA H100 NVL", "bf16", True, 835e12),
+    ("NVIDIA H200", "bf16", True, 989e12),
+    ("NVIDIA L4", "bf16", True, 121e12),                # "L4" is not "L40S"
+    ("NVIDIA L40S", "bf16", True, 362e12),
+    ("NVIDIA A100-SXM4-80GB", "no", True, 156e12),
+    ("Tesla V100-SXM2-16GB", "fp16", True, 125e12),
+])
+def test_mfu_divides_by_the_peak_the_matmuls_use(name, precision, tf32, peak):
+    assert gpu_peak(name, precision, tf32)[0] == peak
+
+
+def test_an_unknown_gpu_reports_nan_mfu_not_a_wrong_one():
+    value, source = gpu_peak("NVIDIA Future 9000", "bf16", True)
+    assert value != value and "add it to GPU_PEAK_FLOPS" in source
+
+
+# ----------------------------------------------------------------------------- fp16 skips
+def _scaled_step(init_scale: float, engine_path: bool):
+    """One fp16-style step with a real GradScaler. engine_path: as AccelerateEngine.train_step does it
+    (decide, then step or only update the scaler); else the scaler alone decides inside step()."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = (model(torch.full((8, 4), 3.0)) ** 2).mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    finite = update_is_finite(loss.detach(), grad_norm, None)
+    if finite or not engine_path:
+        scaler.step(optimizer)
+    scaler.update()
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return finite, moved, scaler.get_scale()
+
+
+def test_the_skip_decision_agrees_with_the_loss_scaler():
+    """An overflowing scale (2^127) makes the unscaled norm inf: the engine's decision skips the step,
+    exactly as the scaler alone would have (weights unchanged), and the scale halves either way, so
+    the schedule (stepped only when applied) waits. A sane scale: applied, weights moved, scale kept."""
+    for engine_path in (True, False):
+        assert _scaled_step(2.0 ** 127, engine_path) == (False, False, 2.0 ** 126)
+        assert _scaled_step(2.0 ** 10, engine_path) == (True, True, 2.0 ** 10)
+    assert update_is_finite(torch.tensor(float("nan")), torch.tensor(1.0), None) is False
+
+
+# ----------------------------------------------------------------------------- timeouts
+def _barrier_worker(rank: int, port: int, queue):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    group = dist.new_group(backend="gloo")
+    if rank == 1:
+        time.sleep(8)   # "tokenizing" far longer than the allowed wait
+        return
+    t0 = time.time()
+    try:
+        slow_barrier(group, 2, "rank 0's data preparation")()
+        queue.put(("no error", time.time() - t0))
+    except TimeoutError as err:
+        queue.put((str(err), time.time() - t0))
+
+
+def test_the_data_preparation_wait_has_its_own_timeout_and_names_it():
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_barrier_worker, args=(r, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    message, seconds = queue.get(timeout=60)
+    for p in procs:
+        p.join(timeout=30)
+    assert "took longer than data.prepare_timeout_s=2s" in message and 1.5 < seconds < 7, (message, seconds)
+
+
+def test_collectives_get_the_recipes_timeout(monkeypatch):
+    """build_accelerator hands train.collective_timeout_s to the process group (the stuck-rank test in
+    tests/test_reliability.py shows it firing)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    import bert_recipes.backend as backend
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_accelerator(**kwargs):
+        seen.update({type(h).__name__: h for h in kwargs["kwargs_handlers"]})
+        raise Stop
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("accelerate.Accelerator", fake_accelerator)
+    cfg = load_config(RECIPE, ["train.collective_timeout_s=42", "train.global_batch_size=64",
+                               "train.micro_batch_size=32"])
+    with pytest.raises(Stop):
+        backend.build_accelerator(cfg, LaunchPlan(), REPO / "runs/unused")
+    handler = seen["InitProcessGroupKwargs"]
+    assert isinstance(handler, InitProcessGroupKwargs) and handler.timeout == timedelta(seconds=42)
+    assert handler.backend == "gloo"
+
+
+# ----------------------------------------------------------------------------- node-local disks
+def test_a_node_local_output_dir_is_refused(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """Two "nodes" on 127.0.0.1 whose output_dir paths lie on different disks (two roots): every
+    rank stops with the same message before writing anything."""
+    import sys
+    port = str(_port())
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    logs = [open(tmp_path / f"node{node}.log", "w+") for node in (0, 1)]
+    procs = []
+    for node in (0, 1):
+        args = [f"--{a}" for a in tiny_args(tmp_path / f"disk{node}" / "run", sample_dir, datasets_cache,
+                                            **{"tokenizer.name_or_path": shared_tokenizer})]
+        cmd = [str(os.path.join(os.path.dirname(sys.executable), "accelerate")), "launch", "--config_file",
+               str(REPO / "accelerate_configs/multinode.yaml"), "--num_machines", "2", "--num_processes", "2",
+               "--machine_rank", str(node), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+               str(REPO / "train.py"), *args]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logs[node], stderr=subprocess.STDOUT))
+    codes = [p.wait(timeout=300) for p in procs]
+    text = [(tmp_path / f"node{node}.log").read_text() for node in (0, 1)]
+    assert codes[0] != 0 and codes[1] != 0
+    assert text[0].count("is not shared by every rank") == 1 and "on a filesystem every node mounts" in text[0]
+    assert "exitcode  : 2" in text[0] and "exitcode  : 2" in text[1]
+    assert not (tmp_path / "disk0/run").exists() and not (tmp_path / "disk1/run").exists()
+    assert not list((tmp_path / "disk0").glob(".run.shared-check-*"))   # rank 0 removed its marker

@@ -1,0 +1,118 @@
+"""One-GPU smoke test of the paths only a GPU takes: each backend row that fits one GPU, in fp32, bf16
+and fp16, through evaluation, a checkpoint, a resume and an export; then a table of peak memory
+(the planner's prediction against torch.cuda.max_memory_allocated), tokens/s and MFU. Exits non-zero
+when any row fails.
+
+    python tools/gpu_smoke.py                          # make gpu-smoke: BERT-base, seq 128, one GPU
+    python tools/gpu_smoke.py --rows ddp,zero3 --precisions bf16 --out gpu_smoke.md
+    python tools/gpu_smoke.py --cpu --size tiny        # the same logic on 2 CPU processes (no fp16, no FSDP)
+
+The default matrix (26 launches, sized for about 10 minutes on one H100-class GPU; not yet timed on
+one): DDP, ZeRO-2 and ZeRO-3 in all three precisions; ZeRO-1, ZeRO-2/3 with CPU offload and FSDP2 in
+bf16; the pipeline in bf16 when two GPUs are present. Each row runs twice: to the middle (eval and a
+checkpoint there), then `--resume auto` to the end, with the export.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import REPO, add_run_arguments, failure, launch_train, rows   # noqa: E402  (same launcher)
+
+MATRIX = [("ddp", "no,bf16,fp16"), ("zero2", "no,bf16,fp16"), ("zero3", "no,bf16,fp16"), ("zero1", "bf16"),
+          ("zero2-offload", "bf16"), ("zero3-offload", "bf16"), ("fsdp", "bf16"), ("pipeline", "bf16")]
+
+
+def smoke(row, precision: str, args, nproc: int, work: Path) -> dict:
+    """Halt in the middle after an evaluation and a checkpoint, resume to the end, export; check each."""
+    name = f"{row.name}/{precision}"
+    out = work / f"{row.name}-{precision}"
+    args.precision = precision
+    half = max(1, args.steps // 2)
+    common = [f"--train.max_steps={args.steps}", "--logging.log_every=1", f"--train.eval_every={half}",
+              f"--checkpoint.save_every={half}"]
+    ok, log = launch_train(row, args, nproc, out, common + [f"--train.halt_at_step={half}"], work / f"{out.name}.1.log")
+    if not ok:
+        return {"row": name, "status": "first half " + failure(log)}
+    ok, log = launch_train(row, args, nproc, out, common + ["--checkpoint.resume=auto"], work / f"{out.name}.2.log")
+    if not ok:
+        return {"row": name, "status": "resume " + failure(log)}
+    m = json.loads((out / "metrics.json").read_text())
+    final, train = m["final"], m["history"]["train"]
+    problems = []
+    if f"[resume] from {out}/checkpoints/step_{half:08d}" not in log:
+        problems.append("did not resume")
+    if final.get("steps") != args.steps or not math.isfinite(final.get("eval_loss", float("nan"))):
+        problems.append("no final evaluation")
+    if not (out / "model/model.safetensors").exists():
+        problems.append("no export")
+    if [r["step"] for r in m["history"]["eval"]][:1] != [half]:
+        problems.append("no evaluation at the checkpoint")
+    peak = final.get("peak_memory_gb_per_rank")
+    return {"row": name, "status": "ok" if not problems else "FAILED (" + ", ".join(problems) + ")",
+            "processes": final["num_processes"], "tokens_per_s": train[-1]["padded_tokens_per_sec"],
+            "mfu": train[-1]["mfu"], "peak_gb": max(peak) if peak else None,
+            "predicted_gb": final.get("predicted_peak_memory_gb"), "loss": (train[0]["loss"], train[-1]["loss"])}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| row / precision | processes | tokens/s | MFU | peak GB (max_memory_allocated) | predicted GB "
+             "| loss first -> last | status |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "processes" not in r:
+            lines.append(f"| {r['row']} | | | | | | | {r['status']} |")
+            continue
+        peak = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "n/a (CPU)"
+        predicted = f"{r['predicted_gb']:.2f}" if r["predicted_gb"] is not None else "not modelled"
+        lines.append(f"| {r['row']} | {r['processes']} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {peak} | "
+                     f"{predicted} | {r['loss'][0]:.3f} -> {r['loss'][1]:.3f} | {r['status']} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", help="comma-separated backend rows (default: the matrix above)")
+    parser.add_argument("--precisions", help="comma-separated, of no,bf16,fp16 (default: per row, as above)")
+    add_run_arguments(parser, work="runs/gpu_smoke", cpu_help="2 CPU processes instead of a GPU (fp16 and FSDP skipped)")
+    parser.add_argument("--out", help="also write the table (markdown) to this file")
+    parser.set_defaults(steps=6)
+    args = parser.parse_args()
+    import torch
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("no GPU visible: run on a GPU machine, or use --cpu to try the smoke test on CPU processes")
+    gpus = 0 if args.cpu else torch.cuda.device_count()
+    wanted = args.rows.split(",") if args.rows else None
+    work = REPO / args.work
+    work.mkdir(parents=True, exist_ok=True)
+    by_name, results = {r.name: r for r in rows()}, []
+    for name, precisions in MATRIX:
+        if wanted and name not in wanted:
+            continue
+        row = by_name[name]
+        for precision in (args.precisions or precisions).split(","):
+            label = f"{name}/{precision}"
+            if args.cpu and (precision == "fp16" or row.plan.kind == "fsdp"):
+                results.append({"row": label, "status": "skipped: GPU only"})
+                continue
+            if name == "pipeline" and not args.cpu and gpus < 2:
+                results.append({"row": label, "status": "skipped: 2 stages need 2 GPUs"})
+                continue
+            nproc = 2 if (args.cpu or name == "pipeline") else 1
+            print(f"[gpu-smoke] {label} on {nproc} process(es) ...", flush=True)
+            results.append(smoke(row, precision, args, nproc, work))
+    device = "2 CPU processes" if args.cpu else torch.cuda.get_device_name(0)
+    text = (f"gpu-smoke: BERT-{args.size}, seq {args.seq}, micro batch {args.micro}, {args.steps} steps "
+            f"(halt, resume, export), {device}\n\n" + table(results))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if any(not (r["status"] == "ok" or r["status"].startswith("skipped")) for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
