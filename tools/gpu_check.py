@@ -83,6 +83,15 @@ def run_row(row, args, nproc: int, work: Path) -> dict:
             "first_loss": train[0]["loss"], "last_loss": last["loss"], "wall_s": time.perf_counter() - t0}
 
 
+def report(text: str, out: str | None, results: list[dict]) -> None:
+    """Print the table, also write it to `out`, and exit 1 if any row failed (not skipped, not ok)."""
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    if any(not (r["status"] == "ok" or r["status"].startswith("skipped")) for r in results):
+        sys.exit(1)
+
+
 def table(results: list[dict]) -> str:
     head = ("| backend | processes | steps/s | tokens/s | peak GB per rank | predicted GB (planner) "
             "| loss first -> last | status |")
@@ -141,11 +150,7 @@ def main():
     device = "CPU" if args.cpu else torch.cuda.get_device_name(0)
     text = (f"gpu-check: BERT-{args.size}, seq {args.seq}, micro batch {args.micro}, {args.precision}, "
             f"{args.steps} steps, {nproc} x {device}\n\n" + table(results))
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if any(r["status"].startswith("FAILED") for r in results):
-        sys.exit(1)
+    report(text, args.out, results)
 
 
 if __name__ == "__main__":

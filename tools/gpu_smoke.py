@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import REPO, add_run_arguments, failure, launch_train, rows   # noqa: E402  (same launcher)
+from gpu_check import REPO, add_run_arguments, failure, launch_train, report, rows   # noqa: E402  (same launcher)
 
 MATRIX = [("ddp", "no,bf16,fp16"), ("zero2", "no,bf16,fp16"), ("zero3", "no,bf16,fp16"), ("zero1", "bf16"),
           ("zero2-offload", "bf16"), ("zero3-offload", "bf16"), ("fsdp", "bf16"), ("pipeline", "bf16")]
@@ -107,11 +107,7 @@ def main():
     device = "2 CPU processes" if args.cpu else torch.cuda.get_device_name(0)
     text = (f"gpu-smoke: BERT-{args.size}, seq {args.seq}, micro batch {args.micro}, {args.steps} steps "
             f"(halt, resume, export), {device}\n\n" + table(results))
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if any(not (r["status"] == "ok" or r["status"].startswith("skipped")) for r in results):
-        sys.exit(1)
+    report(text, args.out, results)
 
 
 if __name__ == "__main__":
