@@ -1,5 +1,6 @@
 # bert-recipes. `make demo` and `make test` set themselves up (.venv + requirements.txt).
-# Everything runs offline: the demo and tests use the embedded sample built from Python's own docs.
+# The demo and the tests run offline on the embedded sample built from Python's own docs; the training
+# targets (make <mode>, make glue) reach the Hugging Face Hub for models and datasets, as a user's run must.
 
 PYTHON   ?= python3
 VENV     ?= .venv
@@ -11,15 +12,15 @@ RECIPE   ?= recipes/tiny-mlm.yaml
 CONFIG   ?=
 ARGS     ?=
 
-export HF_HUB_OFFLINE=1
-export HF_DATASETS_OFFLINE=1
+# Offline only for what runs on the project's own data (the demo, the tests).
+OFFLINE  := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 # The launcher (torch's elastic agent) forwards these to the training processes, which then save a
 # checkpoint and exit (SIGUSR1: SLURM's --signal=USR1@120; without it the launcher would just die).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
-.PHONY: help setup demo test env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
+.PHONY: help setup demo test prepare glue env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -36,14 +37,14 @@ setup: $(VENV)/.installed  ## create .venv and install requirements.txt
 
 demo: setup  ## pretrain a tiny BERT on 2 CPU processes, fine-tune it, print a summary (~10 min)
 	$(PY) -m bert_recipes.sample data/sample
-	$(call col,ddp,4) $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(or $(NPROC),2) \
+	$(OFFLINE) $(call col,ddp,4) $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(or $(NPROC),2) \
 		train.py --recipe recipes/tiny-mlm.yaml --logging.progress_bar=false $(ARGS)
-	$(call col,ddp,4) $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(or $(NPROC),2) \
+	$(OFFLINE) $(call col,ddp,4) $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(or $(NPROC),2) \
 		train.py --recipe recipes/tiny-classify.yaml --logging.progress_bar=false $(ARGS)
 	$(PY) -m bert_recipes.summary runs/tiny-mlm runs/tiny-classify
 
 test: setup  ## run the test suite (CPU, offline)
-	$(PY) -m pytest tests -v -ra --durations=15
+	$(OFFLINE) $(PY) -m pytest tests -v -ra --durations=15
 
 # ---------------------------------------------------------------- one target per parallelism mode
 # make zero3 RECIPE=recipes/bert-large-mlm.yaml        on the GPUs in accelerate_configs/zero3.yaml
@@ -102,6 +103,12 @@ scaling: setup  ## throughput at 1, 2, 4 ... processes (ARGS="--backend zero2", 
 
 memory: setup  ## will it fit? per-device memory of RECIPE for every backend + verdict (CONFIG=..., NPROC=8, ARGS="--gpu-memory 24")
 	$(PY) tools/memory.py --recipe $(RECIPE) $(if $(CONFIG),--config $(CONFIG)) $(if $(NPROC),--world $(NPROC)) $(ARGS)
+
+prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped by every rank; then --data.source=prepared --data.prepared_dir=OUT)
+	$(PY) tools/prepare.py --recipe $(RECIPE) --out $(or $(OUT),data/prepared/$(basename $(notdir $(RECIPE)))) $(ARGS)
+
+glue: setup  ## the nine GLUE tasks for MODEL (Hub name or dir; default bert-base-uncased): glue_results.md + submission/ (CONFIG=, CPU=1, ARGS="-- --train.epochs=1")
+	$(PY) tools/glue.py --model $(or $(MODEL),bert-base-uncased) $(if $(CONFIG),--config $(CONFIG)) $(if $(CPU),--cpu) $(ARGS)
 
 gpu-smoke: setup  ## one GPU, <10 min: every row that fits it x fp32/bf16/fp16, eval + checkpoint + resume + export; table (ARGS="--out gpu_smoke.md")
 	$(PY) tools/gpu_smoke.py $(ARGS)

@@ -27,8 +27,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads 
 import torch
 
 from bert_recipes.backend import read_launch_plan
-from bert_recipes.checkpoint import (check_output_dir, check_shared_output_dir, read_train_state, resolve_resume,
-                                     save_checkpoint, start_output_dir)
+from bert_recipes.checkpoint import (check_output_dir, check_shared_output_dir, model_card, read_train_state,
+                                     resolve_resume, save_checkpoint, start_output_dir)
 from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, load_config, optimizer_steps,
                                  schedule_warnings, to_yaml, validate)
 from bert_recipes.data import on_rank0, prepare_data
@@ -40,6 +40,7 @@ from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
+from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
 from bert_recipes.perf import DataLoaderWatch, flops_per_token, peak_flops, profile_table, start_profiler
 
 
@@ -62,6 +63,8 @@ class Run:
     predicted_peak_gb: float  # the memory planner's (nan when not modelled)
     backend: dict             # engine.describe()
     baseline: float | None    # majority-class accuracy on the eval set
+    data: Any                 # the tokenized splits: train, eval, eval:<split>, test:<split>
+    test_index: dict          # each test split's example ids, for the predictions file
     state: dict = field(default_factory=lambda: {"step": 0, "history": {"train": [], "eval": []}})
     preemption: Preemption = field(default_factory=Preemption)
     stop_signal: int = 0           # the signal every rank agreed to stop on (0: none)
@@ -99,8 +102,8 @@ def main(cfg: Config) -> dict:
     # -------------------------------------------------------------------- data
     check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
     label_names = cfg.task.label_names
-    tokenizer, data, collate = prepare_data(cfg, output_dir, engine.is_main, engine.prep_barrier, engine.fixed_length,
-                                            engine.broadcast)
+    tokenizer, data, collate, test_index = prepare_data(cfg, output_dir, engine.is_main, engine.prep_barrier,
+                                                        engine.fixed_length, engine.broadcast)
     if cfg.task.label_names != label_names:   # text labels, sorted: now part of the run's config
         config_yaml = to_yaml(cfg)
         print0(f"[data] text labels, in sorted order: {dict(enumerate(cfg.task.label_names))} (set task.label_names "
@@ -112,6 +115,8 @@ def main(cfg: Config) -> dict:
     model = build_model(cfg.model, cfg.task, tokenizer)
     model_config = model.config
     print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
+    if getattr(model, "loading_report", None):
+        print0(model.loading_report)
     module = engine.wrap(model)   # the pipeline cuts it into stages; Accelerate keeps it whole
     del model
     optimizer = build_optimizer(module, cfg.optim)
@@ -139,7 +144,7 @@ def main(cfg: Config) -> dict:
         baseline = majority_baseline(data["train"]["labels"], data["eval"]["labels"])
     run = Run(cfg, engine, output_dir, config_yaml, tokenizer, collate, len(data["eval"]), steps_per_epoch,
               total_steps, min(total_steps, cfg.train.halt_at_step or total_steps), flops_token, peak,
-              memory_plan.peak / 1e9 if memory_plan is not None else float("nan"), backend, baseline)
+              memory_plan.peak / 1e9 if memory_plan is not None else float("nan"), backend, baseline, data, test_index)
 
     # -------------------------------------------------------------------- resume
     if checkpoint is not None:
@@ -231,6 +236,7 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
     if engine.on_gpu:   # the allocator's peak since the loop began, the largest over the ranks
         row["peak_memory_gb"] = all_max([torch.cuda.max_memory_allocated() / 1e9], engine.control)[0]
         memory = f" peak mem {row['peak_memory_gb']:.2f} GB (max over ranks; predicted {run.predicted_peak_gb:.2f})"
+    run.state["tokens_seen"] = run.state.get("tokens_seen", 0) + int(row["window_tokens"])
     run.state["history"]["train"].append(row)
     engine.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step)
     engine.print0(f"[train] step {step}/{run.total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
@@ -242,12 +248,15 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
 
 
 def run_eval(run: Run) -> dict:
+    """Evaluate now; keep the state apart when checkpoint.metric_for_best improved."""
     metrics = {"step": run.state["step"], **eval_metrics(run.cfg.task, run.engine.evaluate())}
     run.state["history"]["eval"].append(metrics)
     run.engine.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, metrics["step"])
     shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     baseline = f" (majority baseline accuracy {run.baseline:.4f})" if run.baseline is not None else ""
     run.engine.print0(f"[eval] {shown}{baseline}")
+    if not (run.guard is not None and run.guard.streak):   # a diverging state is never the best
+        keep_best(run.cfg, run.engine, run.state, metrics, run.output_dir, run.config_yaml)
     return metrics
 
 
@@ -287,9 +296,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
     evals = state["history"]["eval"]
     final = evals[-1] if evals and evals[-1]["step"] == state["step"] else run_eval(run)
     checkpoint_now(run)
-    if cfg.checkpoint.export:
-        export_dir = engine.export(run.output_dir / "model", run.tokenizer, run.config_yaml)
-        print0(f"[export] Hugging Face model + tokenizer -> {export_dir}")
+    final = restore_best(engine, state, run.output_dir) or final    # checkpoint.metric_for_best
+    final = {**final, **extra_evaluations(cfg, engine, run.data)}   # data.extra_eval_splits
+    write_predictions(cfg, engine, run.data, run.test_index, run.output_dir)   # data.test_splits
     train_rows = state["history"]["train"]
     predicted = run.predicted_peak_gb
     final = {**final, "steps": state["step"],
@@ -302,6 +311,12 @@ def finish(run: Run, wall_time_s: float) -> dict:
              **engine.final(), "backend": run.backend}
     if run.baseline is not None:
         final["majority_baseline_accuracy"] = run.baseline
+    if cfg.checkpoint.export:
+        card = model_card(cfg, final, run.backend, state.get("tokens_seen", 0))
+        export_dir = engine.export(run.output_dir / "model", run.tokenizer, run.config_yaml, card)
+        print0(f"[export] Hugging Face model (fp32) + tokenizer + model card -> {export_dir}")
+        if cfg.checkpoint.push_to_hub and engine.is_main:
+            push_to_hub(cfg, export_dir, print0)
     if engine.is_main:
         write_metrics(run.output_dir / "metrics.json", final, state["history"], {"config": flat_dict(cfg)})
         if cfg.logging.plot:

@@ -262,6 +262,10 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
                 conflicts.append(f"{kind} to nvme needs nvme_path in {name}")
             elif not Path(path).is_dir() or not os.access(path, os.W_OK):
                 conflicts.append(f"{kind}.nvme_path={path} in {name} is not a writable directory on this machine")
+    if o.name == "lamb" and (plan.fsdp or plan.zero_stage >= 1):
+        what = "FSDP shards each parameter" if plan.fsdp else f"ZeRO-{plan.zero_stage} hands the optimizer flat shards"
+        conflicts.append(f"optim.name=lamb needs whole parameter tensors for its per-layer trust ratio, but {what} "
+                         "(DeepSpeed itself lists LAMB as untested with ZeRO): use a DDP config, or optim.name=adamw")
     if t.mixed_precision == "fp16" and not has_cuda:
         conflicts.append("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU Accelerate would silently train "
                          "in fp32. Use bf16 (supported on CPU) or no")

@@ -102,13 +102,14 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> tuple[Path | N
 
 
 def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config_yaml: str, keep_last: int,
-                    save_state, is_main: bool, barrier) -> Path:
+                    save_state, is_main: bool, barrier, name: str | None = None) -> Path:
     """save_state(dir) on every rank (the engine's: model, optimizer, schedule, RNG of every rank;
     or the pipeline engine's checkpoint), plus the loop's own state, the resolved config and the
-    manifest; then atomically publish and prune."""
+    manifest; then atomically publish and prune. name: another directory than step_XXXXXXXX
+    (checkpoints/best), which the rotation and --resume auto leave alone."""
     root = checkpoint_root(output_dir)
-    final = root / f"step_{step:08d}"
-    partial = root / f"step_{step:08d}.partial"
+    final = root / (name or f"step_{step:08d}")
+    partial = root / f"{final.name}.partial"
     if is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -211,14 +212,27 @@ def start_output_dir(output_dir: Path, config_yaml: str, overwrite: bool, resume
 
 
 def full_state_dict(accelerator, model) -> dict:
-    """The full, consolidated weights on the main process. Every rank must call this: under
-    sharded backends (ZeRO-3, FSDP) it is a collective that gathers the shards."""
-    return accelerator.get_state_dict(model)
+    """The full, consolidated fp32 weights on the main process. Every rank must call this: under
+    sharded backends (ZeRO-3, FSDP) it is a collective that gathers the shards. Under DeepSpeed in
+    bf16/fp16 the model's own parameters are 16-bit copies; the fp32 master weights live in the
+    optimizer, and those are what the export holds (DeepSpeed's safe_get_full_fp32_param, a
+    collective per parameter)."""
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+        for name, param in unwrapped.named_parameters():
+            master = safe_get_full_fp32_param(param)   # None where DeepSpeed keeps no separate fp32 copy
+            if master is not None and accelerator.is_main_process:
+                state_dict[name] = master.detach().float().cpu()
+    if accelerator.is_main_process:
+        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+    return state_dict
 
 
-def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml: str) -> Path:
-    """Hugging Face format (config.json + model.safetensors + tokenizer + recipe), loadable
-    with plain from_pretrained."""
+def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml: str, card: str) -> Path:
+    """Hugging Face format (config.json + fp32 model.safetensors + tokenizer + recipe + model
+    card README.md), loadable with plain from_pretrained."""
     out = Path(out_dir)
     state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
@@ -228,9 +242,55 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml
         if isinstance(tied, dict) and getattr(unwrapped.config, "tie_word_embeddings", True):
             for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
                 state_dict.pop(key, None)
+        unwrapped.config.torch_dtype = "float32"
         unwrapped.save_pretrained(
             out, state_dict=state_dict, safe_serialization=True, save_function=accelerator.save)
         tokenizer.save_pretrained(out)
         (out / "recipe.yaml").write_text(config_yaml)
+        (out / "README.md").write_text(card)
     accelerator.wait_for_everyone()
     return out
+
+
+def model_card(cfg, final: dict, backend: dict, tokens_seen: int) -> str:
+    """README.md of an export: what it is, what it was trained on and how, and how well it did."""
+    d, t = cfg.data, cfg.train
+    base = cfg.model.name_or_path or "none: trained from scratch (randomly initialised)"
+    data = {"sample": "the embedded sample (Python standard-library documentation)",
+            "hub": f"{d.dataset_name}" + (f" / {d.dataset_config}" if d.dataset_config else ""),
+            "files": ", ".join(d.train_files or [])}[d.source] if d.source in ("sample", "hub", "files") else d.source
+    skip = {"eval_samples", "steps", "first_train_loss", "last_train_loss", "wall_time_s", "num_processes",
+            "eval_dataset_size", "backend", "rank_checksums", "peak_memory_gb_per_rank", "distributed_type",
+            "predicted_peak_memory_gb", "skipped_steps"}
+    metrics = "\n".join(f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |"
+                         for k, v in final.items() if k not in skip and isinstance(v, (int, float)))
+    task = ("masked-language-model pretraining" if cfg.task.kind == "mlm" else
+            "regression" if cfg.task.num_labels == 1 else f"sequence classification, {cfg.task.num_labels} labels")
+    return f"""---
+library_name: transformers
+tags: [bert, bert-recipes, {"fill-mask" if cfg.task.kind == "mlm" else "text-classification"}]
+---
+# {cfg.run.name}
+
+A BERT model trained with bert-recipes' `train.py`; `recipe.yaml` beside this card holds every setting of the
+run, resolved.
+
+| | |
+|---|---|
+| task | {task} |
+| base model | {base} |
+| data | {data}; train split `{d.train_split}`, evaluated on `{d.eval_split}`; sequences of {d.max_seq_length} tokens |
+| steps | {final.get("steps")} optimizer steps of {t.global_batch_size} sequences |
+| tokens seen | {tokens_seen:,} (non-padding tokens fed to the model) |
+| backend | {backend.get("name")} on {final.get("num_processes")} processes ({backend.get("distributed_type")}) |
+| precision | {t.mixed_precision} (the weights here are fp32) |
+| optimizer | {cfg.optim.name if hasattr(cfg.optim, "name") else "adamw"}, peak lr {cfg.optim.lr}, {cfg.optim.decay} decay |
+
+## Final evaluation
+
+| metric | value |
+|---|---|
+{metrics}
+
+Load it with `AutoModel.from_pretrained("<this directory>")` (and `AutoTokenizer`, whose files are here too).
+"""

@@ -71,6 +71,9 @@ class ModelConfig:
     """mlm: run the prediction head on masked positions only (same loss, ~3x less head compute)."""
     gradient_checkpointing: bool = False
     """Recompute encoder activations in backward: ~30% slower, activations O(layers) smaller."""
+    reinit_head: bool = False
+    """Classification from a checkpoint fine-tuned for another label count (its classifier has the
+    wrong shape): true starts a new classifier on its encoder; false refuses the run."""
     trust_remote_code: bool = False
     """Let a Hub model run its own Python code (from_pretrained's trust_remote_code). Off: BERT
     needs none, and a checkpoint should not execute code you have not read."""
@@ -88,9 +91,12 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["sample", "hub", "files"] = "sample"
+    source: Literal["sample", "hub", "files", "prepared"] = "sample"
     """sample: the embedded stdlib-docs sample. hub: datasets.load_dataset(dataset_name, dataset_config).
     files: local train_files / validation_files (text, json/jsonl, csv or parquet)."""
+    prepared_dir: Optional[str] = None
+    """source: prepared: a directory written by `make prepare` (tools/prepare.py): the tokenized,
+    packed splits, memory-mapped by every rank, and the tokenizer; training starts in seconds."""
     dataset_name: Optional[str] = None
     dataset_config: Optional[str] = None
     train_files: Optional[list[str]] = None
@@ -109,6 +115,15 @@ class DataConfig:
     pretraining). False: one line per example, padded dynamically per batch."""
     mlm_probability: float = 0.15
     """Share of tokens selected; of those 80% -> [MASK], 10% -> random token, 10% kept."""
+    whole_word_masking: bool = False
+    """mlm: select whole words (a WordPiece token and its "##" pieces) rather than single tokens, as
+    BERT's whole-word-masking checkpoints were trained; still a pure function of (seed, epoch, example)."""
+    extra_eval_splits: Optional[list[str]] = None
+    """More labelled splits evaluated at the end (MNLI: [validation_mismatched]); their metrics are
+    reported as <split>/<metric>."""
+    test_splits: Optional[list[str]] = None
+    """classification: splits to predict at the end, into output_dir/predictions/<split>.tsv (index and
+    prediction, label names where task.label_names gives them): GLUE's test sets, labels hidden."""
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
     num_proc: Optional[int] = None
@@ -131,6 +146,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "lamb"] = "adamw"
+    """adamw, or lamb for very large batches (NVIDIA's BERT: global 64k/32k with LAMB). LAMB's
+    per-layer trust ratio needs whole parameter tensors: DDP only (not ZeRO, FSDP or a ZeRO pipeline)."""
     lr: float = 1e-4
     """Peak learning rate, reached after warmup."""
     weight_decay: float = 0.01
@@ -142,7 +160,10 @@ class OptimConfig:
     warmup_steps: Optional[int] = None
     warmup_ratio: float = 0.0
     """Used when warmup_steps is None: warmup = ratio x total optimizer steps."""
-    decay: Literal["linear", "cosine", "constant"] = "linear"
+    decay: Literal["linear", "cosine", "polynomial", "constant"] = "linear"
+    """After warmup: linear, cosine, polynomial ((1 - progress) ** poly_power) or constant."""
+    poly_power: float = 1.0
+    """The exponent of the polynomial decay (NVIDIA's LAMB phase 1 uses 0.5)."""
     min_lr_ratio: float = 0.0
     """The lr decays to min_lr_ratio x lr at the last step."""
 
@@ -189,6 +210,15 @@ class CheckpointConfig:
     Or a path to one checkpoint directory."""
     export: bool = True
     """At the end, write model + tokenizer in Hugging Face format to output_dir/model."""
+    metric_for_best: Optional[str] = None
+    """An evaluation metric (accuracy, f1, matthews_correlation, pearsonr, spearmanr, eval_loss, ...):
+    the state of the best evaluation is kept in checkpoints/best, apart from the rotation, and the
+    export, the final metrics and the test predictions come from it. None: from the last step."""
+    push_to_hub: bool = False
+    """Upload the export (with its model card) to the Hugging Face Hub at the end (needs
+    checkpoint.hub_model_id and a login: huggingface-cli login, or HF_TOKEN)."""
+    hub_model_id: Optional[str] = None
+    """user-or-org/name of the Hub repository for checkpoint.push_to_hub (created if missing)."""
 
 
 @dataclass
@@ -427,6 +457,7 @@ _RANGES = [
     ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("optim.warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("optim.poly_power", lambda v: v > 0, "positive (e.g. 0.5 or 1)"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), e.g. [0.9, 0.999]"),
     ("data.mlm_probability", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.15"),
     ("data.max_seq_length", lambda v: v >= 8, ">= 8 tokens"),
@@ -470,6 +501,8 @@ def validate(cfg: Config) -> None:
                           f"model.num_attention_heads={m.num_attention_heads}")
     if d.source == "hub" and not d.dataset_name:
         raise ConfigError("data.source=hub needs data.dataset_name (e.g. wikitext or glue)")
+    if d.source == "prepared" and not d.prepared_dir:
+        raise ConfigError("data.source=prepared needs data.prepared_dir (a directory written by make prepare)")
     if d.source == "files" and not d.train_files:
         raise ConfigError("data.source=files needs data.train_files")
     if cfg.task.kind == "classification":
@@ -479,7 +512,17 @@ def validate(cfg: Config) -> None:
         if cfg.task.label_names and len(cfg.task.label_names) != cfg.task.num_labels:
             raise ConfigError(f"task.label_names has {len(cfg.task.label_names)} names but "
                               f"task.num_labels={cfg.task.num_labels}")
-    from .metrics import available_metrics
+    from .metrics import available_metrics, default_metrics
     for name in cfg.task.metrics or []:
         if name not in available_metrics():
             raise ConfigError(f"task.metrics: unknown metric '{name}' (available: {available_metrics()})")
+    if cfg.data.test_splits and cfg.task.kind != "classification":
+        raise ConfigError("data.test_splits: test predictions are for classification tasks (task.kind=classification)")
+    best = cfg.checkpoint.metric_for_best
+    reported = (["eval_loss", "perplexity", "mlm_accuracy"] if cfg.task.kind == "mlm" else
+                list(cfg.task.metrics or default_metrics(cfg.task.num_labels)) + (["eval_loss"] if cfg.task.num_labels == 1 else []))
+    if best is not None and best not in reported:
+        raise ConfigError(f"checkpoint.metric_for_best={best} is not among this task's evaluation metrics {reported}")
+    if cfg.checkpoint.push_to_hub and not (cfg.checkpoint.hub_model_id and cfg.checkpoint.export):
+        raise ConfigError("checkpoint.push_to_hub needs checkpoint.hub_model_id (user-or-org/name) and "
+                          "checkpoint.export: true")

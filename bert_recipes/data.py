@@ -39,7 +39,8 @@ def _builder_for(files: list[str]) -> str:
 
 
 def load_raw(data: DataConfig, task: TaskConfig, seed: int):
-    """-> DatasetDict with 'train' and 'eval' splits of raw rows."""
+    """-> DatasetDict of raw rows: 'train', 'eval', and 'eval:<split>' / 'test:<split>' for
+    data.extra_eval_splits / data.test_splits."""
     from datasets import DatasetDict, load_dataset
 
     if data.source == "sample":
@@ -99,7 +100,16 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
         if col not in train.column_names:
             raise ConfigError(f"column '{col}' not in the training data (columns: {train.column_names}); "
                               f"set data.text_column / data.text_pair_column / data.label_column")
-    return DatasetDict(train=train, eval=evaluation)
+    out = {"train": train, "eval": evaluation}
+    for kind, key, names in (("eval", "extra_eval_splits", data.extra_eval_splits), ("test", "test_splits", data.test_splits)):
+        for name in names or []:
+            if name not in raw:
+                raise ConfigError(f"data.{key}: '{name}' is not a split of the dataset (splits: {list(raw)})")
+            split = raw[name]
+            if kind == "eval" and data.max_eval_samples is not None:
+                split = split.select(range(min(data.max_eval_samples, len(split))))
+            out[f"{kind}:{name}"] = split
+    return DatasetDict(out)
 
 
 def texts(dataset, data: DataConfig, batch_size: int = 1000):
@@ -234,7 +244,8 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: li
         return tokenized
 
     regression = task.num_labels == 1
-    mapping = label_mapping(raw, task, data, label_names)
+    labelled = {k: v for k, v in raw.items() if not k.startswith("test:")}
+    mapping = label_mapping(labelled, task, data, label_names)
 
     def encode(batch):
         args = [batch[c] for c in text_cols]
@@ -245,8 +256,19 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: li
         out["labels"] = [float(l) for l in labels] if regression else [int(l) for l in labels]
         return out
 
+    def encode_unlabelled(batch):   # a test split: its labels are hidden (GLUE: -1) and never used
+        out = tokenizer(*[batch[c] for c in text_cols], truncation=True, max_length=seq)
+        out["labels"] = [-1.0 if regression else -1] * len(out["input_ids"])
+        return out
+
+    from datasets import DatasetDict
     key = ["classification", tok_fp, seq, text_cols, data.label_column, regression, mapping]
-    return _map_splits(raw, encode, key, "tokenizing", data.num_proc, columns)
+    out = dict(_map_splits(DatasetDict(labelled), encode, key, "tokenizing", data.num_proc, columns))
+    tests = DatasetDict({k: v for k, v in raw.items() if k.startswith("test:")})
+    if tests:
+        out.update(_map_splits(tests, encode_unlabelled, key + ["unlabelled"], "tokenizing",
+                               data.num_proc, tests[next(iter(tests))].column_names))
+    return DatasetDict(out)
 
 
 def label_mapping(raw, task: TaskConfig, data: DataConfig, label_names: list[str] | None) -> dict | None:
@@ -259,13 +281,15 @@ def label_mapping(raw, task: TaskConfig, data: DataConfig, label_names: list[str
         if len(names) != task.num_labels:
             raise ConfigError(f"data.label_column '{col}' has {len(names)} distinct labels {names[:10]} but "
                               f"task.num_labels={task.num_labels}; set task.num_labels (or task.label_names)")
-        for split in raw:
+        for split in (s for s in raw if not s.startswith("test:")):
             unknown = sorted(set(raw[split][col]) - set(names))
             if unknown:
                 raise ConfigError(f"data.label_column '{col}' of the {split} split has labels {unknown[:5]} that "
                                   f"task.label_names={names} does not list; add them or fix the data")
         return {n: i for i, n in enumerate(names)}
     for split in raw:
+        if split.startswith("test:"):
+            continue
         values = raw[split][col]
         try:
             numbers = [float(v) for v in values]
@@ -317,11 +341,16 @@ class MLMCollator:
     """Pads a batch and masks `mlm_probability` of its non-special tokens: 80% [MASK],
     10% a random token, 10% unchanged. Labels are -100 everywhere else.
 
+    whole_word: words, not tokens, are chosen (a word is a WordPiece token and the "##" pieces that
+    follow it), as BERT's whole-word-masking models were trained: words in a random order are
+    taken while they fit in round(mlm_probability x tokens), so all pieces of a word are predicted
+    together; each chosen token then gets the 80/10/10 replacement.
+
     The masking of example i in epoch e depends only on (seed, e, i). Set `.epoch` before
     each epoch (with persistent DataLoader workers the workers keep their own copy)."""
 
     def __init__(self, tokenizer, mlm_probability: float, seed: int, pad_to_multiple_of: int | None = 8,
-                 fixed_length: int | None = None):
+                 fixed_length: int | None = None, whole_word: bool = False):
         self.tokenizer = tokenizer
         self.mlm_probability = mlm_probability
         self.seed = seed
@@ -329,6 +358,29 @@ class MLMCollator:
         self.fixed_length = fixed_length
         self.epoch = 0
         self.vocab_size = len(tokenizer)
+        self.whole_word = whole_word
+        if whole_word:   # token id -> is it a "##" continuation piece?
+            pieces = tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+            self.continuation = torch.tensor([p is not None and p.startswith("##") for p in pieces])
+
+    def _choose_words(self, ids, special, g) -> torch.Tensor:
+        """Whole-word selection for one sequence (see the class docstring)."""
+        valid = ~special
+        starts = valid & ~(self.continuation[ids] & torch.cat([torch.tensor([False]), valid[:-1]]))
+        word = torch.cumsum(starts, 0) - 1                       # the word of each position (valid ones)
+        n_words = int(starts.sum())
+        chosen = torch.zeros_like(valid)
+        if n_words == 0:
+            return chosen
+        target = max(1, round(int(valid.sum()) * self.mlm_probability))
+        lengths = torch.bincount(word[valid], minlength=n_words)
+        taken = 0
+        for w in torch.randperm(n_words, generator=g).tolist():
+            if taken + int(lengths[w]) > target:
+                continue
+            chosen |= valid & (word == w)
+            taken += int(lengths[w])
+        return chosen
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         idx = [e["idx"] for e in examples]
@@ -340,7 +392,10 @@ class MLMCollator:
         for row, i in enumerate(idx):
             g = torch.Generator().manual_seed(_seed_of(self.seed, self.epoch, i))
             n = inputs.shape[1]
-            chosen = (torch.rand(n, generator=g) < self.mlm_probability) & ~special[row]
+            if self.whole_word:
+                chosen = self._choose_words(inputs[row], special[row], g)
+            else:
+                chosen = (torch.rand(n, generator=g) < self.mlm_probability) & ~special[row]
             action = torch.rand(n, generator=g)
             random_ids = torch.randint(self.vocab_size, (n,), generator=g)
             labels[row][~chosen] = -100
@@ -432,7 +487,11 @@ def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: in
                  broadcast=lambda obj: obj):
     """raw text -> tokenizer (loaded, or trained once on rank 0) -> tokenized splits -> collator.
     `cfg` is the whole Config: data, task, tokenizer, the model's name and the seed all meet here.
-    Rank 0 goes first (download, tokenize, cache); `barrier` lets the others follow."""
+    Rank 0 goes first (download, tokenize, cache); `barrier` lets the others follow. Prepared data
+    (data.source: prepared) is memory-mapped as `make prepare` wrote it."""
+    if cfg.data.source == "prepared":
+        tokenizer, data, test_index = load_prepared(cfg)
+        return tokenizer, data, make_collator(cfg, tokenizer, fixed_length), test_index
     with main_first(is_main, barrier, broadcast):
         raw = load_raw(cfg.data, cfg.task, cfg.run.seed)
     tokenizer = get_tokenizer(cfg.tokenizer, cfg.model.name_or_path, raw["train"], cfg.data,
@@ -445,8 +504,51 @@ def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: in
         mapping = label_mapping(raw, cfg.task, cfg.data, None)
         if mapping is not None:
             cfg.task.label_names = list(mapping)
+    # a test split's own example ids (GLUE's `idx`, which a submission file must repeat), else row numbers
+    test_index = {k.removeprefix("test:"): list(raw[k]["idx"]) if "idx" in raw[k].column_names else list(range(len(raw[k])))
+                  for k in raw if k.startswith("test:")}
+    return tokenizer, data, make_collator(cfg, tokenizer, fixed_length), test_index
+
+
+def make_collator(cfg, tokenizer, fixed_length: int | None):
     if cfg.task.kind == "mlm":
-        collate = MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed, fixed_length=fixed_length)
-    else:
-        collate = ClassificationCollator(tokenizer, fixed_length=fixed_length)
-    return tokenizer, data, collate
+        return MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed, fixed_length=fixed_length,
+                           whole_word=cfg.data.whole_word_masking)
+    return ClassificationCollator(tokenizer, fixed_length=fixed_length)
+
+
+# ---------------------------------------------------------------------------- prepared data (make prepare)
+PREPARED_META = "prepared.json"
+
+
+def prepared_signature(cfg) -> dict:
+    """The settings that decide a run's tokens: prepared data is used only by a recipe that agrees."""
+    d, t = cfg.data, cfg.task
+    return {"task.kind": t.kind, "task.num_labels": t.num_labels if t.kind == "classification" else None,
+            "task.label_names": t.label_names, "tokenizer": cfg.tokenizer.name_or_path or cfg.model.name_or_path,
+            "tokenizer.vocab_size": cfg.tokenizer.vocab_size if not (cfg.tokenizer.name_or_path or cfg.model.name_or_path)
+            else None,
+            **{f"data.{k}": getattr(d, k) for k in (
+                "max_seq_length", "packing", "text_column", "text_pair_column", "label_column", "train_split", "eval_split",
+                "extra_eval_splits", "test_splits", "max_train_samples", "max_eval_samples", "validation_split_percentage")}}
+
+
+def load_prepared(cfg):
+    """-> (tokenizer, memory-mapped splits, test_index) from data.prepared_dir, checked against the recipe."""
+    from datasets import DatasetDict
+    from transformers import AutoTokenizer
+    root = Path(cfg.data.prepared_dir)
+    if not (root / PREPARED_META).is_file():
+        raise ConfigError(f"data.prepared_dir={root} holds no prepared data ({PREPARED_META} missing): write it with "
+                          "make prepare RECIPE=<this recipe> (tools/prepare.py)")
+    meta = json.loads((root / PREPARED_META).read_text())
+    expected = prepared_signature(cfg)
+    differ = [f"{k}: prepared {meta['signature'].get(k)!r}, this run {v!r}" for k, v in expected.items()
+              if k != "data.source" and meta["signature"].get(k) != v]
+    if differ:
+        raise ConfigError(f"data.prepared_dir={root} was prepared with other settings ({'; '.join(differ)}): prepare "
+                          "it again with this recipe")
+    if cfg.task.label_names is None and meta.get("label_names"):   # text labels, named when prepared
+        cfg.task.label_names = meta["label_names"]
+    return AutoTokenizer.from_pretrained(str(root / "tokenizer")), DatasetDict.load_from_disk(str(root / "data")), \
+        meta["test_index"]

@@ -157,18 +157,41 @@ class AccelerateEngine:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
+    def _loader(self, dataset):
+        """A prepared loader over another split (extra evaluations, test predictions)."""
+        from torch.utils.data import DataLoader
+        t = self.cfg.train
+        kwargs = loader_kwargs(self.cfg.data, copy.copy(self.collate), self.cfg.run.seed, pin=self.on_gpu)
+        kwargs["collate_fn"].epoch = 0
+        return self.accelerator.prepare(DataLoader(Indexed(dataset), batch_size=t.eval_batch_size or t.micro_batch_size,
+                                                   **kwargs))
+
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def predict(self, dataset):
+        """The model's prediction for every row of `dataset`, in order (labels are not used): class
+        ids, or values for a regression."""
+        preds = []
+        self.model.eval()
+        for batch in self._loader(dataset):
+            batch.pop("labels", None)
+            logits = self.model(**batch).logits
+            p = logits.squeeze(-1).float() if self.cfg.task.num_labels == 1 else logits.argmax(-1)
+            preds.append(self.accelerator.gather_for_metrics(p).cpu())
+        self.model.train()
+        return torch.cat(preds).numpy()
+
+    @torch.no_grad()
+    def evaluate(self, dataset=None) -> dict:
         """Every eval sample once: gather_for_metrics drops the duplicates that even batching adds
-        to the last batch. -> rows for metrics.eval_metrics."""
+        to the last batch. -> rows for metrics.eval_metrics. dataset: another labelled split."""
         a, task = self.accelerator, self.cfg.task
         self.model.eval()
         rows: dict[str, list] = {}
-        for batch in self.eval_loader:
+        for batch in (self.eval_loader if dataset is None else self._loader(dataset)):
             logits, labels = self.model(**batch).logits, batch["labels"]
             if task.kind == "mlm":
-                sums, counts = per_sample_mlm_loss(logits, labels)
-                found = {"loss_sums": sums, "token_counts": counts}
+                sums, counts, correct = per_sample_mlm_loss(logits, labels)
+                found = {"loss_sums": sums, "token_counts": counts, "correct": correct}
             else:
                 preds = logits.squeeze(-1).float() if task.num_labels == 1 else logits.argmax(-1)
                 found = {"preds": preds, "refs": labels}
@@ -195,8 +218,8 @@ class AccelerateEngine:
         else:   # a checkpoint from before scheduler.json: Accelerate's custom_checkpoint_0.pkl, plain data
             self.scheduler.load_state_dict(torch.load(Path(path) / "custom_checkpoint_0.pkl", weights_only=True))
 
-    def export(self, out_dir: Path, tokenizer, config_yaml: str) -> Path:
-        return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml)
+    def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
+        return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml, card)
 
     def final(self) -> dict:
         """Collective: every rank's peak memory (GPUs) and full-weight checksum."""

@@ -76,7 +76,7 @@ class Throughput:
                "padded_tokens_per_sec": padded / elapsed,
                "step_time_s": elapsed / max(self.steps, 1),
                "data_wait_share": wait / (elapsed * max(ranks, 1)),
-               "window_s": elapsed, "window_steps": self.steps}
+               "window_s": elapsed, "window_steps": self.steps, "window_tokens": real}
         self.reset()
         return out
 

@@ -20,16 +20,21 @@ def masked_lm_loss(logits, labels):
 
 
 def per_sample_mlm_loss(logits, labels):
-    """-> (summed loss, labelled tokens) of each sample, so an evaluation's mean is over all tokens of
-    all ranks. `logits`: (batch, seq, vocab), or one row per labelled token (the sparse head)."""
+    """-> (summed loss, labelled tokens, correctly predicted tokens) of each sample, so an evaluation's
+    means are over all tokens of all ranks. `logits`: (batch, seq, vocab), or one row per labelled
+    token (the sparse head)."""
     import torch
     selected = labels != -100
     if logits.dim() == 2:
+        rows = selected.nonzero()[:, 0]
         token_loss = F.cross_entropy(logits.float(), labels[selected], reduction="none")
-        sums = torch.zeros(len(labels), device=logits.device).index_add_(0, selected.nonzero()[:, 0], token_loss)
+        sums = torch.zeros(len(labels), device=logits.device).index_add_(0, rows, token_loss)
+        hits = (logits.argmax(-1) == labels[selected]).float()
+        correct = torch.zeros(len(labels), device=logits.device).index_add_(0, rows, hits)
     else:
         sums = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none").sum(1)
-    return sums, selected.sum(1)
+        correct = ((logits.argmax(-1) == labels) & selected).sum(1).float()
+    return sums, selected.sum(1), correct
 
 
 class RecipeBertForMaskedLM(BertForMaskedLM):
@@ -122,21 +127,78 @@ def check_sequence_length(model_cfg: ModelConfig, task: TaskConfig, max_seq_leng
                               f"model.name_or_path={model_cfg.name_or_path}; use at most {limit}")
 
 
+def load_pretrained(model_cfg: ModelConfig, task: TaskConfig, config):
+    """The task's model from a checkpoint in any standard BERT layout: BertForPreTraining (MLM + NSP
+    heads), BertForMaskedLM, BertModel (no head), BertForSequenceClassification. What the checkpoint
+    lacks is initialised here and what the task does not use is dropped; both are reported in
+    `model.loading_report`. A checkpoint that would leave the encoder itself random is refused, and
+    so is a classifier for another label count unless model.reinit_head asks for a new one."""
+    import contextlib
+    import io
+
+    from transformers import AutoModelForSequenceClassification
+    name = model_cfg.name_or_path
+    auto = RecipeBertForMaskedLM if task.kind == "mlm" else AutoModelForSequenceClassification
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), _transformers_quiet():   # our own report instead
+            model, info = auto.from_pretrained(name, config=config, trust_remote_code=model_cfg.trust_remote_code,
+                                               attn_implementation=model_cfg.attn_implementation,
+                                               output_loading_info=True, ignore_mismatched_sizes=model_cfg.reinit_head)
+    except RuntimeError as err:
+        if "mismatch" not in str(err):
+            raise
+        raise ConfigError(f"model.name_or_path={name} has a head whose shape does not fit this task (task.num_labels="
+                          f"{task.num_labels}; a checkpoint fine-tuned for another label count): set "
+                          "model.reinit_head=true to start a new classifier on its encoder") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.name_or_path={name}: cannot load its weights ({first_line(err)})") from None
+    missing = set(info["missing_keys"]) | {k for k, *_ in info["mismatched_keys"]}
+    encoder = sorted(k for k in missing if not k.startswith(("cls.", "classifier.", "bert.pooler.")))
+    if encoder:
+        raise ConfigError(f"model.name_or_path={name} has no weights for {len(encoder)} tensors of the BERT encoder "
+                          f"(e.g. {encoder[0]}): training would start from random weights; give a BERT checkpoint "
+                          "(BertForPreTraining, BertForMaskedLM, BertModel or BertForSequenceClassification)")
+    loaded = len(model.state_dict()) - len(missing)
+    report = f"[model] from {name}: {loaded} tensors loaded"
+    if missing:
+        report += f"; new here (no trained values in the checkpoint): {_grouped(missing)}"
+    if info["unexpected_keys"]:
+        report += f"; unused from the checkpoint (heads this task does not have): {_grouped(info['unexpected_keys'])}"
+    model.loading_report = report
+    return model
+
+
+def _grouped(keys) -> str:
+    """cls.predictions.transform.dense.weight, ... -> cls.predictions.*"""
+    groups = sorted({".".join(k.split(".")[:2]) + (".*" if k.count(".") > 1 else "") for k in keys})
+    return ", ".join(groups)
+
+
+def _transformers_quiet():
+    import contextlib
+
+    from transformers.utils import logging as hf_logging
+
+    @contextlib.contextmanager
+    def quiet():
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            hf_logging.set_verbosity(level)
+    return quiet()
+
+
 def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None):
     """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig
     (`config`, when given, instead of one derived from the tokenizer)."""
-    from transformers import AutoModelForSequenceClassification, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     if config is None:
         config = model_config(model_cfg, task, len(tokenizer), tokenizer.pad_token_id)
     if model_cfg.name_or_path:
-        auto = RecipeBertForMaskedLM if task.kind == "mlm" else AutoModelForSequenceClassification
-        try:
-            model = auto.from_pretrained(model_cfg.name_or_path, config=config, trust_remote_code=model_cfg.trust_remote_code,
-                                         attn_implementation=model_cfg.attn_implementation)
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"model.name_or_path={model_cfg.name_or_path}: cannot load its weights "
-                              f"({first_line(err)})") from None
+        model = load_pretrained(model_cfg, task, config)
         if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
             raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model.name_or_path="
                               f"{model_cfg.name_or_path} has vocab_size {model.config.vocab_size}: they do not belong "

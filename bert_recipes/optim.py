@@ -1,4 +1,4 @@
-"""AdamW with decoupled weight decay, and a warmup + decay schedule."""
+"""AdamW or LAMB with decoupled weight decay, and a warmup + decay schedule."""
 from __future__ import annotations
 
 import math
@@ -9,8 +9,8 @@ from .config import OptimConfig
 
 
 def build_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; biases and LayerNorm weights get no weight decay. The fused kernel is used on
-    CUDA, the foreach (multi-tensor) one elsewhere."""
+    """AdamW (optim.name: adamw) or LAMB (lamb); biases and LayerNorm weights get no weight decay.
+    AdamW uses the fused kernel on CUDA, the foreach (multi-tensor) one elsewhere."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -18,27 +18,68 @@ def build_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
         (no_decay if p.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.name == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     on_cuda = torch.cuda.is_available()
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=True if on_cuda else None, foreach=None if on_cuda else True)
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2), as NVIDIA's
+    BERT pretraining uses it: Adam's bias-corrected moments give r = m_hat / (sqrt(v_hat) + eps); the
+    update u = r + weight_decay * x is scaled per parameter tensor by the trust ratio ||x|| / ||u||
+    (1 when either norm is 0; phi = identity, as apex's FusedLAMB): x <- x - lr * ||x|| / ||u|| * u.
+    Each layer thus moves by a set fraction of its own norm, which keeps very large batches stable.
+    tests/test_user_path.py checks it step by step against the rule written out in numpy.
+    The trust ratio needs whole tensors: ZeRO and FSDP, which hand the optimizer shards, are refused."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                p.add_(update * (-group["lr"] * trust))   # no host sync: the ratio stays a tensor
+        return loss
 
 
 def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total_steps)
 
 
-def lr_factor(step: int, warmup: int, total: int, decay: str, min_ratio: float) -> float:
+def lr_factor(step: int, warmup: int, total: int, decay: str, min_ratio: float, poly_power: float = 1.0) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based)."""
     if warmup and step < warmup:
         return (step + 1) / warmup
     if decay == "constant":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    shape = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+             "polynomial": (1.0 - progress) ** poly_power}[decay]
     return min_ratio + (1.0 - min_ratio) * shape
 
 
 def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
     warmup = warmup_steps(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.decay, cfg.min_lr_ratio))
+        optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.decay, cfg.min_lr_ratio, cfg.poly_power))

@@ -34,6 +34,7 @@ from torch.utils.data import BatchSampler
 
 from .config import Config, ConfigError
 from .guard import control_group, slow_barrier
+from .data import Indexed
 from .modeling import masked_lm_loss, per_sample_mlm_loss
 
 TIED_KEY = "embeddings"
@@ -307,7 +308,7 @@ class PipelineEngine:
         from accelerate.data_loader import SeedableRandomSampler
         from torch.utils.data import DataLoader
 
-        from .data import Indexed, loader_kwargs
+        from .data import loader_kwargs
         t = self.cfg.train
         ds_config = {k: v for k, v in self.plan.ds_config.items() if k != "pipeline"}
         ds_config.update(train_micro_batch_size_per_gpu=t.micro_batch_size, gradient_accumulation_steps=self.accum,
@@ -361,36 +362,54 @@ class PipelineEngine:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def evaluate(self) -> dict:
-        """Each replica takes every replicas-th sample; a short last batch is padded with repeats
-        (the pipeline's buffers have fixed shapes) and the repeats are dropped before the rows are
-        gathered, so every sample counts once."""
-        task, ds = self.cfg.task, self.eval_set
+    def _outputs(self, ds):
+        """(dataset indices, logits, labels) of each batch, on the last stage. Each replica takes every
+        replicas-th sample; a short last batch is padded with repeats (the pipeline's buffers have
+        fixed shapes) and the repeats are dropped, so every sample comes out once."""
         bs = self.cfg.train.eval_batch_size or self.cfg.train.micro_batch_size
         mine = list(range(self.replica, len(ds), self.replicas))
         n_batches = math.ceil(math.ceil(len(ds) / self.replicas) / bs)   # the same on every replica
-        rows: dict[str, list] = {}
         self.engine.eval()
         for b in range(n_batches):
             idx = mine[b * bs:(b + 1) * bs]
             valid = len(idx)
             batch = self.eval_collate([ds[i] for i in idx + [idx[0] if idx else 0] * (bs - valid)])
+            if (batch["labels"] < 0).all():   # a test split's hidden labels: any valid class will do
+                batch["labels"] = torch.zeros_like(batch["labels"])
             _, logits = self.engine.eval_batch(iter([_as_inputs(batch)]), return_logits=True, num_micro_batches=1)
-            if not (self.engine.is_last_stage() and valid):
-                continue
-            logits = logits[:valid].float()
-            labels = batch["labels"][:valid].to(logits.device)   # the engine moved only its own copy
+            if self.engine.is_last_stage() and valid:
+                logits = logits[:valid].float()
+                yield idx, logits, batch["labels"][:valid].to(logits.device)   # the engine moved only its copy
+        self.engine.train()
+
+    def _gather(self, rows: dict) -> dict:
+        everyone = [None] * self.num_processes
+        self.dist.all_gather_object(everyone, rows)
+        return {key: sum((part.get(key, []) for part in everyone), []) for key in set().union(*everyone)}
+
+    def evaluate(self, dataset=None) -> dict:
+        """Rows for metrics.eval_metrics, every sample once. dataset: another labelled split."""
+        task, rows = self.cfg.task, {}
+        for _, logits, labels in self._outputs(self.eval_set if dataset is None else Indexed(dataset)):
             if task.kind == "mlm":
-                sums, counts = per_sample_mlm_loss(logits, labels)
-                found = {"loss_sums": sums, "token_counts": counts}
+                sums, counts, correct = per_sample_mlm_loss(logits, labels)
+                found = {"loss_sums": sums, "token_counts": counts, "correct": correct}
             else:
                 found = {"preds": logits.squeeze(-1) if task.num_labels == 1 else logits.argmax(-1), "refs": labels}
             for key, value in found.items():
                 rows.setdefault(key, []).extend(value.tolist())
-        self.engine.train()
-        everyone = [None] * self.num_processes
-        self.dist.all_gather_object(everyone, rows)
-        return {key: sum((part.get(key, []) for part in everyone), []) for key in set().union(*everyone)}
+        return self._gather(rows)
+
+    def predict(self, dataset):
+        """The prediction for every row of `dataset`, in order: class ids, or values for a regression."""
+        import numpy as np
+        rows = {"index": [], "preds": []}
+        for idx, logits, _ in self._outputs(Indexed(dataset)):
+            rows["index"] += idx
+            rows["preds"] += (logits.squeeze(-1) if self.cfg.task.num_labels == 1 else logits.argmax(-1)).tolist()
+        rows = self._gather(rows)
+        order = np.argsort(rows.get("index", []), kind="stable")
+        return np.asarray(rows.get("preds", []))[order]
 
     # ------------------------------------------------------------ state
     def save(self, path: str):
@@ -405,14 +424,18 @@ class PipelineEngine:
         if saved.exists():
             set_rng_state(json.loads(saved.read_text()))
 
-    def export(self, out_dir: Path, tokenizer, config_yaml: str) -> Path:
-        """Gather every stage's weights onto rank 0 and write an ordinary Hugging Face model."""
+    def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
+        """Gather every stage's weights onto rank 0 and write an ordinary Hugging Face model, in fp32:
+        under bf16/fp16 the optimizer's fp32 master weights, not the 16-bit copies the stages run."""
+        from deepspeed.utils import safe_get_full_fp32_param
+        masters = {name: safe_get_full_fp32_param(p) for name, p in self.net.named_parameters()}   # collective
         local = {}
         if self.replica == 0:   # one replica of each stage is enough
             for key, value in self.net.state_dict().items():
                 hf = to_hf_name(key, self.names)
                 if hf is not None:
-                    local[hf] = value.detach().float().cpu()
+                    master = masters.get(key)
+                    local[hf] = (master if master is not None else value).detach().float().cpu()
         gathered = [None] * self.num_processes
         self.dist.all_gather_object(gathered, local)
         if self.is_main:
@@ -426,6 +449,7 @@ class PipelineEngine:
             model.save_pretrained(out_dir, safe_serialization=True)
             tokenizer.save_pretrained(out_dir)
             (out_dir / "recipe.yaml").write_text(config_yaml)
+            (out_dir / "README.md").write_text(card)
         self.dist.barrier()
         return out_dir
 

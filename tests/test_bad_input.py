@@ -145,6 +145,17 @@ CASES = [
                                                               c.args(**{"train.max_steps": 8,
                                                                         "checkpoint.save_every": 4}))[1],
      "already holds checkpoints of this run (up to step_00000008): continue it with --resume auto"),
+    ("push to the Hub without a repository", lambda c, m: c.args(**{"checkpoint.push_to_hub": "true"}),
+     "checkpoint.push_to_hub needs checkpoint.hub_model_id"),
+    ("best by a metric the task does not report", lambda c, m: c.args(**{"checkpoint.metric_for_best": "accuracy"}),
+     "checkpoint.metric_for_best=accuracy is not among this task's evaluation metrics"),
+    ("prepared data that is not there", lambda c, m: c.args(**{"data.source": "prepared",
+                                                               "data.prepared_dir": c.tmp / "nothing"}),
+     "holds no prepared data (prepared.json missing): write it with make prepare"),
+    ("test predictions for MLM", lambda c, m: c.args(**{"data.test_splits": "[test]"}),
+     "data.test_splits: test predictions are for classification tasks"),
+    ("an extra evaluation split that does not exist", lambda c, m: c.args(**{"data.extra_eval_splits": "[nope]"}),
+     "data.extra_eval_splits: 'nope' is not a split of the dataset"),
     # ---- launch configs (the variables `accelerate launch` sets)
     ("DeepSpeed JSON missing", lambda c, m: (m.setenv("ACCELERATE_USE_DEEPSPEED", "true"),
                                              m.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "/no/ds.json"), c.args())[2],
@@ -152,6 +163,9 @@ CASES = [
     ("DeepSpeed JSON not JSON", lambda c, m: (_ds_env(c, m, "{stage: 2"), c.args())[1], "is not valid JSON"),
     ("DeepSpeed JSON contradicts the recipe", lambda c, m: (_ds_env(c, m, '{"gradient_clipping": 0.3}'), c.args())[1],
      "clipping: recipe optim.max_grad_norm=1.0"),
+    ("LAMB under ZeRO", lambda c, m: (_ds_env(c, m, '{"zero_optimization": {"stage": 2}}'),
+                                      c.args(**{"optim.name": "lamb"}))[1],
+     "optim.name=lamb needs whole parameter tensors"),
 ]
 
 

@@ -40,8 +40,13 @@ def test_shipped_configs_agree_with_every_shipped_recipe(name, tmp_path):
         c = load_config(recipe)
         if c.train.mixed_precision == "fp16":
             continue
-        check_consistency(c, plan_for(tmp_path, ds), world_size=1,
-                          accum=c.train.global_batch_size // c.train.micro_batch_size, has_cuda=False)
+        plan = plan_for(tmp_path, ds)
+        args = dict(world_size=1, accum=c.train.global_batch_size // c.train.micro_batch_size, has_cuda=False)
+        if c.optim.name == "lamb" and plan.zero_stage >= 1:   # LAMB recipes name DDP; ZeRO is refused with a reason
+            with pytest.raises(ConfigError, match="optim.name=lamb needs whole parameter tensors"):
+                check_consistency(c, plan, **args)
+            continue
+        check_consistency(c, plan, **args)
 
 
 def test_every_conflict_is_named_with_both_values(tmp_path):

@@ -48,15 +48,19 @@ def majority_baseline(train_labels, eval_labels) -> float:
 
 def eval_metrics(task, rows: dict) -> dict[str, float]:
     """The evaluation's metrics from every rank's rows, each sample once, whatever the engine:
-    mlm: rows = {"loss_sums", "token_counts"} per sample (so the loss is a mean over all tokens);
+    mlm: rows = {"loss_sums", "token_counts", "correct"} per sample (means over all tokens: the loss,
+    and mlm_accuracy, the share of masked tokens predicted exactly);
     classification: rows = {"preds", "refs"}."""
     import math
 
     import numpy as np
     if task.kind == "mlm":
         counts = np.asarray(rows["token_counts"])
-        loss = float(np.sum(np.asarray(rows["loss_sums"], dtype=np.float64))) / max(int(counts.sum()), 1)
-        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50)), "eval_samples": len(counts)}
+        tokens = max(int(counts.sum()), 1)
+        loss = float(np.sum(np.asarray(rows["loss_sums"], dtype=np.float64))) / tokens
+        accuracy = float(np.sum(np.asarray(rows["correct"], dtype=np.float64))) / tokens
+        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50)), "mlm_accuracy": accuracy,
+                "eval_samples": len(counts)}
     preds, refs = np.asarray(rows["preds"]), np.asarray(rows["refs"])
     out = compute_metrics(task.metrics or default_metrics(task.num_labels), preds, refs, task.num_labels)
     if task.num_labels == 1:

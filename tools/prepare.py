@@ -1,0 +1,110 @@
+"""Tokenize (and pack) a recipe's corpus once, into a directory every rank memory-maps: a run with
+data.source=prepared then starts training in seconds instead of tokenizing again on every start.
+
+    python tools/prepare.py --recipe recipes/bert-base-mlm-phase1.yaml --out data/prepared/phase1
+    make prepare RECIPE=recipes/bert-base-mlm-phase1.yaml OUT=data/prepared/phase1
+    # then: --data.source=prepared --data.prepared_dir=data/prepared/phase1 (any backend, any world size)
+    python tools/prepare.py --make-corpus data/corpus-1g.txt --size 1G   # a generated corpus to measure on
+
+Everything streams through `datasets.map` in batches, written to disk as it goes, so the peak memory
+stays bounded whatever the corpus size (measured in the README: "Preparing a corpus"). The tokenizer
+(given, or trained on the corpus) is saved beside the data; prepared.json records the settings, which
+a run must match.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")   # one process: let the Rust tokenizer use the cores
+
+from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
+from bert_recipes.data import PREPARED_META, prepare_data, prepared_signature   # noqa: E402
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def peak_rss_mb() -> tuple[float, float]:
+    """(this process, its largest child) peak resident memory, MB (Linux reports KB)."""
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+
+
+def make_corpus(path: Path, size: str, sample_dir: Path) -> int:
+    """A generated corpus of `size` bytes: the embedded sample's pretraining text, its lines shuffled
+    anew on every pass, one paragraph per line. -> bytes written."""
+    from bert_recipes.sample import build_sample
+    build_sample(sample_dir)
+    lines = (sample_dir / "pretrain/train.txt").read_text().splitlines()
+    target = int(float(size[:-1]) * UNITS[size[-1].upper()]) if size[-1].upper() in UNITS else int(size)
+    rng, written = random.Random(0), 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        while written < target:
+            rng.shuffle(lines)
+            chunk = "\n".join(lines) + "\n"
+            f.write(chunk)
+            written += len(chunk.encode())
+    return written
+
+
+def prepare(cfg, out: Path) -> dict:
+    signature = prepared_signature(cfg)   # before prepare_data, which may name text labels
+    t0 = time.perf_counter()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer, data, _, test_index = prepare_data(cfg, tmp, True, lambda: None)
+    tokenized_s = time.perf_counter() - t0
+    data.save_to_disk(str(tmp / "data"))
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    meta = {"signature": signature, "label_names": cfg.task.label_names, "test_index": test_index,
+            "splits": {k: len(v) for k, v in data.items()},
+            "tokens": {k: len(v) * cfg.data.max_seq_length for k, v in data.items()} if cfg.data.packing else None,
+            "seconds": {"tokenize_and_pack": round(tokenized_s, 1), "total": round(time.perf_counter() - t0, 1)},
+            "peak_rss_mb": dict(zip(("main", "largest_worker"), (round(v) for v in peak_rss_mb())))}
+    (tmp / PREPARED_META).write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)   # complete or absent
+    return meta
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", help="the recipe whose data, tokenizer and sequence settings to use")
+    parser.add_argument("--out", help="the directory to write (data.prepared_dir of later runs)")
+    parser.add_argument("--make-corpus", help="instead: write a generated corpus to this file")
+    parser.add_argument("--size", default="1G", help="of the generated corpus: 256M, 1G, ...")
+    parser.add_argument("--sample-dir", default="data/sample")
+    args, overrides = parser.parse_known_args(argv)
+    if args.make_corpus:
+        n = make_corpus(Path(args.make_corpus), args.size, Path(args.sample_dir))
+        print(f"[prepare] wrote {n / 1e9:.2f} GB of text to {args.make_corpus}")
+        return 0
+    try:
+        if not (args.recipe and args.out):
+            raise ConfigError("give --recipe and --out (or --make-corpus)")
+        cfg = load_config(args.recipe, [o.removeprefix("--") for o in overrides])
+        validate(cfg)
+        if cfg.data.source == "prepared":
+            raise ConfigError("data.source=prepared: that recipe reads prepared data; prepare from its source")
+        meta = prepare(cfg, Path(args.out))
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print(f"[prepare] {args.out}: {meta['splits']} sequences in {meta['seconds']['total']}s; peak memory "
+          f"{meta['peak_rss_mb']['main']} MB (largest worker {meta['peak_rss_mb']['largest_worker']} MB); "
+          f"train with --data.source=prepared --data.prepared_dir={args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
