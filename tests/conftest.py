@@ -16,6 +16,10 @@ sys.path.insert(0, str(REPO))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# Under `make test` the suite inherits the outer make's level and flags, and every `make -n` a test runs
+# would then print "make[1]: Entering/Leaving directory" lines around its commands (this failed CI).
+for _var in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):
+    os.environ.pop(_var, None)
 
 
 @pytest.fixture(scope="session")
