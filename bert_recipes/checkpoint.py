@@ -16,6 +16,8 @@ import shutil
 import zlib
 from pathlib import Path
 
+import torch
+
 from .config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -213,21 +215,36 @@ def start_output_dir(output_dir: Path, config_yaml: str, overwrite: bool, resume
 
 def full_state_dict(accelerator, model) -> dict:
     """The full, consolidated fp32 weights on the main process. Every rank must call this: under
-    sharded backends (ZeRO-3, FSDP) it is a collective that gathers the shards. Under DeepSpeed in
-    bf16/fp16 the model's own parameters are 16-bit copies; the fp32 master weights live in the
-    optimizer, and those are what the export holds (DeepSpeed's safe_get_full_fp32_param, a
-    collective per parameter)."""
-    state_dict = accelerator.get_state_dict(model)
-    unwrapped = accelerator.unwrap_model(model)
+    sharded backends (ZeRO-3, FSDP) it is a collective that gathers the shards."""
     if accelerator.state.deepspeed_plugin is not None:
-        from deepspeed.utils import safe_get_full_fp32_param
-        for name, param in unwrapped.named_parameters():
-            master = safe_get_full_fp32_param(param)   # None where DeepSpeed keeps no separate fp32 copy
-            if master is not None and accelerator.is_main_process:
-                state_dict[name] = master.detach().float().cpu()
-    if accelerator.is_main_process:
-        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+        state_dict = _deepspeed_state_dict(accelerator, accelerator.unwrap_model(model, keep_torch_compile=False))
+    else:
+        state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:   # train.compile: the compiled wrapper prefixes every key with _orig_mod.
+        state_dict = {k.removeprefix("_orig_mod."): v.float() if v.is_floating_point() else v
+                      for k, v in state_dict.items()}
     return state_dict
+
+
+def _deepspeed_state_dict(accelerator, unwrapped) -> dict:
+    """Under DeepSpeed in bf16/fp16 the model's own parameters are 16-bit copies; the fp32 master
+    weights live in the optimizer, and those are what the export holds (safe_get_full_fp32_param,
+    a collective per parameter, so peak memory is one parameter). Gathering ourselves also means a
+    user's ZeRO-3 JSON without stage3_gather_16bit_weights_on_model_save still exports."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    whole: dict[int, torch.Tensor] = {}
+    for param in unwrapped.parameters():          # tied weights appear once
+        master = safe_get_full_fp32_param(param)  # None where DeepSpeed keeps no separate fp32 copy
+        if master is None:
+            with deepspeed.zero.GatheredParameters([param]):   # a no-op below ZeRO-3
+                master = param.detach().clone()
+        if accelerator.is_main_process:
+            whole[id(param)] = master.detach().float().cpu()
+    if not accelerator.is_main_process:
+        return {}
+    return {name: whole[id(v)] if isinstance(v, torch.nn.Parameter) else v.detach().cpu()
+            for name, v in unwrapped.state_dict(keep_vars=True).items()}
 
 
 def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml: str, card: str) -> Path:
@@ -237,7 +254,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml
     state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         tied = getattr(unwrapped, "_tied_weights_keys", None)
         if isinstance(tied, dict) and getattr(unwrapped.config, "tie_word_embeddings", True):
             for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
