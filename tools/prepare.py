@@ -34,9 +34,66 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def peak_rss_mb() -> tuple[float, float]:
-    """(this process, its largest child) peak resident memory, MB (Linux reports KB)."""
+    """(this process, its largest child) peak resident memory, MB (Linux reports KB). Resident memory
+    includes the pages of memory-mapped Arrow files read so far, which the kernel can drop at will."""
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+
+
+WATCHER = r"""
+import json, os, sys, time
+pid, out = int(sys.argv[1]), sys.argv[2]
+def anon(p):
+    try:
+        for line in open(f"/proc/{p}/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+def children(p):
+    found = []
+    for task in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else []:
+        try:
+            kids = [int(k) for k in open(f"/proc/{p}/task/{task}/children").read().split()]
+        except OSError:
+            kids = []
+        for k in kids:
+            found += [k] + children(k)
+    return found
+peak = {"main": 0.0, "largest_worker": 0.0}
+while os.path.exists(f"/proc/{pid}"):
+    peak["main"] = max(peak["main"], anon(pid))
+    peak["largest_worker"] = max([peak["largest_worker"]] + [anon(c) for c in children(pid)])
+    with open(out, "w") as f:
+        json.dump(peak, f)
+    time.sleep(0.5)
+"""
+
+
+class AnonymousMemory:
+    """Samples, every half second, the anonymous memory (RssAnon: heap and stacks, not file pages) of
+    this process and of its children: the memory that has to fit, whatever the corpus size. The
+    sampler is a separate process (a thread here would be copied, mid-lock, into datasets' forked
+    workers and hang them)."""
+
+    def __enter__(self):
+        import subprocess
+        import tempfile
+        self.file = Path(tempfile.mkstemp(suffix=".json")[1])
+        self.proc = subprocess.Popen([sys.executable, "-c", WATCHER, str(os.getpid()), str(self.file)])
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(1.0)   # one more sample
+        self.proc.terminate()
+        self.proc.wait()
+        try:
+            peak = json.loads(self.file.read_text())
+        except ValueError:
+            peak = {"main": 0.0, "largest_worker": 0.0}
+        self.peak_main, self.peak_child = peak["main"], peak["largest_worker"]
+        self.file.unlink()
 
 
 def make_corpus(path: Path, size: str, sample_dir: Path) -> int:
@@ -62,15 +119,17 @@ def prepare(cfg, out: Path) -> dict:
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer, data, _, test_index = prepare_data(cfg, tmp, True, lambda: None)
-    tokenized_s = time.perf_counter() - t0
-    data.save_to_disk(str(tmp / "data"))
-    tokenizer.save_pretrained(tmp / "tokenizer")
+    with AnonymousMemory() as anon:
+        tokenizer, data, _, test_index = prepare_data(cfg, tmp, True, lambda: None)
+        tokenized_s = time.perf_counter() - t0
+        data.save_to_disk(str(tmp / "data"))
+        tokenizer.save_pretrained(tmp / "tokenizer")
     meta = {"signature": signature, "label_names": cfg.task.label_names, "test_index": test_index,
             "splits": {k: len(v) for k, v in data.items()},
             "tokens": {k: len(v) * cfg.data.max_seq_length for k, v in data.items()} if cfg.data.packing else None,
             "seconds": {"tokenize_and_pack": round(tokenized_s, 1), "total": round(time.perf_counter() - t0, 1)},
-            "peak_rss_mb": dict(zip(("main", "largest_worker"), (round(v) for v in peak_rss_mb())))}
+            "peak_rss_mb": dict(zip(("main", "largest_worker"), (round(v) for v in peak_rss_mb()))),
+            "peak_anonymous_mb": {"main": round(anon.peak_main), "largest_worker": round(anon.peak_child)}}
     (tmp / PREPARED_META).write_text(json.dumps(meta, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)   # complete or absent
@@ -100,9 +159,10 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    anon, rss = meta["peak_anonymous_mb"], meta["peak_rss_mb"]
     print(f"[prepare] {args.out}: {meta['splits']} sequences in {meta['seconds']['total']}s; peak memory "
-          f"{meta['peak_rss_mb']['main']} MB (largest worker {meta['peak_rss_mb']['largest_worker']} MB); "
-          f"train with --data.source=prepared --data.prepared_dir={args.out}")
+          f"{anon['main']} MB anonymous / {rss['main']} MB resident (largest worker {anon['largest_worker']} / "
+          f"{rss['largest_worker']} MB); train with --data.source=prepared --data.prepared_dir={args.out}")
     return 0
 
 
