@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1
 # checkpoint and exit (SIGUSR1: SLURM's --signal=USR1@120; without it the launcher would just die).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
-.PHONY: help setup demo test prepare glue env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
+.PHONY: help setup demo test bench prepare glue env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -103,6 +103,9 @@ scaling: setup  ## throughput at 1, 2, 4 ... processes (ARGS="--backend zero2", 
 
 memory: setup  ## will it fit? per-device memory of RECIPE for every backend + verdict (CONFIG=..., NPROC=8, ARGS="--gpu-memory 24")
 	$(PY) tools/memory.py --recipe $(RECIPE) $(if $(CONFIG),--config $(CONFIG)) $(if $(NPROC),--world $(NPROC)) $(ARGS)
+
+bench: setup  ## train.py vs transformers' Trainer on the same workload: tokens/s, ratios, MFU, memory, padding (ARGS="--size mini")
+	$(OFFLINE) $(PY) tools/bench.py $(ARGS)
 
 prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped by every rank; then --data.source=prepared --data.prepared_dir=OUT)
 	$(PY) tools/prepare.py --recipe $(RECIPE) --out $(or $(OUT),data/prepared/$(basename $(notdir $(RECIPE)))) $(ARGS)

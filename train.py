@@ -29,7 +29,7 @@ import torch
 from bert_recipes.backend import read_launch_plan
 from bert_recipes.checkpoint import (check_output_dir, check_shared_output_dir, model_card, read_train_state,
                                      resolve_resume, save_checkpoint, start_output_dir)
-from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, load_config, optimizer_steps,
+from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, load_config, optimizer_steps, resolve,
                                  schedule_warnings, to_yaml, validate)
 from bert_recipes.data import on_rank0, prepare_data
 from bert_recipes.engine import build_engine
@@ -77,6 +77,7 @@ def main(cfg: Config) -> dict:
 
     t_start = time.perf_counter()
     validate(cfg)
+    derived = resolve(cfg)
     output_dir = Path(cfg.run.output_dir)
     config_yaml = to_yaml(cfg)
     # Nothing is written to output_dir until every check has passed (just before the loop); an
@@ -90,6 +91,8 @@ def main(cfg: Config) -> dict:
     engine = build_engine(cfg, plan, output_dir)
     print0 = engine.print0
     set_seed(cfg.run.seed)
+    for note in derived:
+        print0(note)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
            f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
     check_shared_output_dir(output_dir, engine)
@@ -119,7 +122,8 @@ def main(cfg: Config) -> dict:
         print0(model.loading_report)
     module = engine.wrap(model)   # the pipeline cuts it into stages; Accelerate keeps it whole
     del model
-    optimizer = build_optimizer(module, cfg.optim)
+    # (a DeepSpeed JSON with an optimizer block replaces this one: then no CPU Adam is built for nothing)
+    optimizer = build_optimizer(module, cfg.optim, offloaded=plan.offloads_optimizer and "optimizer" not in plan.ds_config)
     steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "

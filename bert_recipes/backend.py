@@ -66,6 +66,12 @@ class LaunchPlan:
         return "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
 
     @property
+    def offloads_optimizer(self) -> bool:
+        """The optimizer step runs on the host (ZeRO offload_optimizer to cpu or nvme)."""
+        zero = self.ds_config.get("zero_optimization", {}) if self.deepspeed and not self.pipeline else {}
+        return (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+
+    @property
     def name(self) -> str:
         """ddp | fsdp | zero0..3 with -offload (CPU) or -nvme | pipeline: the names of the Make
         targets, the memory planner's rows and the logs."""
@@ -241,11 +247,8 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
     if plan.deepspeed and _set(plan.grad_clip_env) and float(plan.grad_clip_env) != o.max_grad_norm:
         conflicts.append(f"clipping: recipe optim.max_grad_norm={o.max_grad_norm}, accelerate config "
                          f"gradient_clipping={plan.grad_clip_env}")
-    # ownership
-    for block in ("optimizer", "scheduler"):
-        if block in ds:
-            conflicts.append(f"{block} owned twice: the recipe's optim section builds the {block}, and {name} "
-                             f"has an '{block}' block; remove the block from the JSON")
+    # a JSON that owns the optimizer / schedule (Accelerate's templates): the recipe fills its "auto"s
+    conflicts += ds_block_conflicts(cfg, ds, name)
 
     # impossible combinations
     if plan.deepspeed and plan.fsdp:
@@ -279,12 +282,143 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
         raise ConfigError("the launch config conflicts with the recipe:\n  - " + "\n  - ".join(conflicts))
 
 
+# ---------------------------------------------------------------------------- DeepSpeed-owned optimizer / schedule
+DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ("lamb",)}
+DS_SCHEDULES = {"linear": "WarmupDecayLR", "constant": "WarmupLR", "cosine": "WarmupCosineLR"}
+
+
+def _differs(pinned, wanted) -> bool:
+    if isinstance(wanted, list):
+        return not isinstance(pinned, list) or len(pinned) != len(wanted) or any(_differs(a, b) for a, b in zip(pinned, wanted))
+    try:
+        return abs(float(pinned) - float(wanted)) > 1e-12 * max(1.0, abs(float(wanted)))
+    except (TypeError, ValueError):
+        return True
+
+
+def ds_block_conflicts(cfg: Config, ds: dict, name: str) -> list[str]:
+    """A DeepSpeed JSON may own the optimizer and the schedule, as Accelerate's templates do; each
+    value it pins must be the recipe's (the "auto"s are filled from the recipe)."""
+    o, out = cfg.optim, []
+    for key in ("optimizer", "scheduler"):
+        if key in ds and not (isinstance(ds[key], dict) and isinstance(ds[key].get("params", {}), dict)):
+            out.append(f"{key}: {name} {key} must be a mapping with a type and a params mapping, got {ds[key]!r}")
+            return out
+    block = ds.get("optimizer")
+    if isinstance(block, dict):
+        if str(block.get("type", "")).lower() not in DS_OPTIMIZERS[o.name]:
+            out.append(f"optimizer: recipe optim.name={o.name}, {name} optimizer.type={block.get('type')}")
+        params = block.get("params") or {}
+        if o.name == "adamw" and params.get("adam_w_mode") is False:
+            out.append(f"optimizer: recipe optim.name=adamw (decoupled weight decay), {name} "
+                       "optimizer.params.adam_w_mode=false (Adam with L2)")
+        for key, wanted in (("lr", o.lr), ("betas", list(o.betas)), ("eps", o.eps), ("weight_decay", o.weight_decay)):
+            if _set(params.get(key)) and _differs(params[key], wanted):
+                out.append(f"optimizer: recipe optim.{key}={wanted}, {name} optimizer.params.{key}={params[key]}")
+    offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+    if offload and ds.get("zero_force_ds_cpu_optimizer") is True and not o.cpu_adam and "optimizer" not in ds:
+        out.append(f"optimizer: recipe optim.cpu_adam=false (torch AdamW on the host), {name} "
+                   "zero_force_ds_cpu_optimizer=true (Accelerate would replace it with a CPU Adam)")
+    block = ds.get("scheduler")
+    if isinstance(block, dict):
+        wanted_type = DS_SCHEDULES.get(o.decay)
+        if block.get("type") != wanted_type:
+            shown = f"DeepSpeed's {wanted_type}" if wanted_type else "no DeepSpeed schedule has this shape"
+            out.append(f"schedule: recipe optim.decay={o.decay} ({shown}), {name} scheduler.type={block.get('type')}")
+        params = block.get("params") or {}
+        for key, wanted in ds_schedule_values(o, block.get("type"), o.warmup_steps, None).items():
+            if wanted is not None and _set(params.get(key)) and _differs(params[key], wanted):
+                out.append(f"schedule: the recipe gives {key}={wanted}, {name} scheduler.params.{key}={params[key]}")
+        if block.get("type") == "WarmupDecayLR" and o.min_lr_ratio != 0:
+            out.append(f"schedule: recipe optim.min_lr_ratio={o.min_lr_ratio}, {name} scheduler.type=WarmupDecayLR "
+                       "decays to 0 (set min_lr_ratio: 0, or drop the JSON's scheduler block)")
+    return out
+
+
+def ds_schedule_values(o, ds_type: str, warmup, total) -> dict:
+    """The recipe's values for a DeepSpeed schedule's params, per type (None: not known yet)."""
+    warmup = None if warmup is None else max(1, warmup)
+    if ds_type == "WarmupCosineLR":   # ratios of the optimizer's lr
+        return {"warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr_ratio, "warmup_num_steps": warmup,
+                "total_num_steps": total}
+    values = {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr, "warmup_num_steps": warmup}
+    return values if ds_type == "WarmupLR" else {**values, "total_num_steps": total}
+
+
+def deepspeed_owned(accelerator, cfg: Config, module, optimizer, scheduler):
+    """When the DeepSpeed JSON has an optimizer and/or scheduler block: Accelerate's DummyOptim /
+    DummyScheduler in place of the recipe's objects, every "auto" filled from the recipe (total steps
+    included: Accelerate's own fill would divide them by the world size). -> (optimizer, scheduler,
+    a line saying what is in effect, or None)."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config if plugin is not None else {}
+    if "optimizer" not in ds and "scheduler" not in ds:
+        return optimizer, scheduler, None
+    o, said = cfg.optim, []
+    if "optimizer" in ds:
+        params = ds["optimizer"].setdefault("params", {})
+        for key, value in (("lr", o.lr), ("betas", list(o.betas)), ("eps", o.eps), ("weight_decay", o.weight_decay)):
+            if params.get(key, "auto") == "auto":
+                params[key] = value
+        optimizer = DummyOptim(optimizer.param_groups, lr=o.lr, weight_decay=o.weight_decay)
+        said.append(f"optimizer {ds['optimizer'].get('type')} from the DeepSpeed config (lr {params['lr']}, betas "
+                    f"{params['betas']}, eps {params['eps']}, weight decay {params['weight_decay']}, none on biases "
+                    "and norms)")
+    total, warmup = scheduler.total_steps, scheduler.warmup_steps
+    if "scheduler" in ds:
+        params = ds["scheduler"].setdefault("params", {})
+        pinned = []
+        for key, value in ds_schedule_values(o, ds["scheduler"].get("type"), warmup, total).items():
+            if params.get(key, "auto") == "auto":
+                params[key] = value
+            elif _differs(params[key], value):
+                pinned.append(f"scheduler.params.{key}={params[key]}, the recipe gives {value}")
+        if pinned:
+            raise ConfigError("the DeepSpeed config's schedule contradicts the recipe: " + "; ".join(pinned)
+                              + ' (set them to "auto")')
+        scheduler = DummyScheduler(optimizer, total_num_steps=total, warmup_num_steps=max(1, warmup))
+        said.append(f"schedule {ds['scheduler']['type']} from the DeepSpeed config ({params['warmup_num_steps']} "
+                    f"warmup steps of {params.get('total_num_steps', total)})")
+        if params.get("warmup_type", "log") == "log":
+            said.append("note: its warmup is log-shaped (DeepSpeed's default warmup_type), the recipe's is linear; "
+                        'add "warmup_type": "linear" to the JSON\'s scheduler params for the recipe\'s shape')
+    elif isinstance(optimizer, DummyOptim):   # DeepSpeed's optimizer under the recipe's own schedule
+        from .optim import build_scheduler
+        scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: build_scheduler(opt, o, total))
+        said.append(f"the recipe's schedule ({o.decay}, {warmup} warmup steps of {total})")
+    return optimizer, scheduler, "[optim] " + "; ".join(said)
+
+
+def optimizer_in_effect(optimizer) -> str:
+    """The optimizer that really steps, under Accelerate's and ZeRO's wrappers: its class, and the
+    variant (decoupled weight decay, fused / foreach kernel)."""
+    chain = [optimizer]
+    while getattr(chain[-1], "optimizer", None) is not None and chain[-1].optimizer is not chain[-1]:
+        chain.append(chain[-1].optimizer)
+    inner, group = chain[-1], chain[-1].param_groups[0]
+    facts = [f"adamw_mode={inner.adam_w_mode}"] if hasattr(inner, "adam_w_mode") else []
+    facts += [f"{k}={group[k]}" for k in ("fused", "foreach") if group.get(k)]
+    facts += [f"lr {group.get('initial_lr', group['lr']):g}", f"betas {tuple(group['betas'])}" if "betas" in group else "",
+              f"eps {group['eps']:g}" if "eps" in group else ""]
+    wrappers = " in ".join(type(o).__name__ for o in reversed(chain[1:-1] if len(chain) > 2 else []))
+    return (f"[optim] stepping: {type(inner).__name__} ({', '.join(f for f in facts if f)})"
+            + (f" inside {wrappers}" if wrappers else ""))
+
+
 def fill_deepspeed_autos(accelerator, cfg: Config) -> None:
     """Accelerate fills an "auto" gradient_clipping with 1.0 whatever the script wants; make the
-    recipe the source instead (0 disables clipping, as in DeepSpeed)."""
+    recipe the source instead (0 disables clipping, as in DeepSpeed). Under optimizer offload the
+    recipe's optimizer is used as built (optim.cpu_adam picks DeepSpeed's CPU Adam or torch's AdamW):
+    left to its default, Accelerate would rebuild it as a CPU Adam from lr and weight decay alone, and
+    a CPU Adam that is not a torch AdamW would lose its decoupled weight decay (adamw_mode)."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        plugin.deepspeed_config["gradient_clipping"] = cfg.optim.max_grad_norm
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = cfg.optim.max_grad_norm
+    ds.setdefault("zero_force_ds_cpu_optimizer", False)
 
 
 def check_engaged(accelerator, plan: LaunchPlan) -> None:
@@ -330,6 +464,7 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
         # non_blocking: pinned batches are copied to the GPU without making the host wait
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=cfg.data.pin_memory),
         kwargs_handlers=handlers,
+        dynamo_backend="inductor" if cfg.train.compile else None,   # train.compile: Accelerate compiles in prepare
     )
     check_engaged(accelerator, plan)
     fill_deepspeed_autos(accelerator, cfg)

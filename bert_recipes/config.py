@@ -110,11 +110,21 @@ class DataConfig:
     """classification on sentence pairs (MRPC, MNLI, ...): the second sentence's column."""
     label_column: str = "label"
     max_seq_length: int = 128
+    group_by_length: bool = False
+    """Batch sequences of similar length together (classification, unpacked MLM), so little compute
+    goes to padding: ~70% of the positions of the sample task are padding without, under 10% with.
+    Still exact on resume. (The pipeline pads to max_seq_length anyway: no effect there.)"""
     packing: bool = True
     """mlm only. True: concatenate then chunk into full blocks (no padding, standard for
     pretraining). False: one line per example, padded dynamically per batch."""
     mlm_probability: float = 0.15
     """Share of tokens selected; of those 80% -> [MASK], 10% -> random token, 10% kept."""
+    max_predictions_per_seq: Optional[int] = None
+    """mlm: None: each token is masked with probability mlm_probability, and the sparse head indexes the
+    masked positions (shapes vary per batch). N: exactly min(N, round(mlm_probability x tokens)) tokens
+    per sequence, as BERT's own data pipeline (N = 20 at sequence 128), passed to the model as
+    positions: static shapes (train.compile needs them) and no host sync. train.compile sets
+    round(mlm_probability x max_seq_length) when unset."""
     whole_word_masking: bool = False
     """mlm: select whole words (a WordPiece token and its "##" pieces) rather than single tokens, as
     BERT's whole-word-masking checkpoints were trained; still a pure function of (seed, epoch, example)."""
@@ -125,6 +135,8 @@ class DataConfig:
     """classification: splits to predict at the end, into output_dir/predictions/<split>.tsv (index and
     prediction, label names where task.label_names gives them): GLUE's test sets, labels hidden."""
     max_train_samples: Optional[int] = None
+    """The first N training examples (lines or rows), before tokenizing and packing. Prepared data
+    records the limits it was prepared with; a run must give the same."""
     max_eval_samples: Optional[int] = None
     num_proc: Optional[int] = None
     """Processes for datasets.map tokenization (results are cached by fingerprint)."""
@@ -151,6 +163,12 @@ class OptimConfig:
     per-layer trust ratio needs whole parameter tensors: DDP only (not ZeRO, FSDP or a ZeRO pipeline)."""
     lr: float = 1e-4
     """Peak learning rate, reached after warmup."""
+    fused: Optional[bool] = None
+    """AdamW's kernel: None / true: torch's fused kernel (CUDA and CPU); false: the foreach
+    (multi-tensor) one. On the 2-core CPU, fused is 3-8% faster per step (make bench, README "Speed")."""
+    cpu_adam: bool = True
+    """Under ZeRO offload the optimizer steps on the CPU: DeepSpeed's vectorised CPU Adam, built from
+    these settings (the maths stays the recipe's). false: torch's AdamW on the CPU."""
     weight_decay: float = 0.01
     """Applied to weights only: biases and LayerNorm parameters get none."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -181,6 +199,9 @@ class TrainConfig:
     epochs: Optional[float] = None
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """fp16 needs a CUDA GPU: on a CPU it is refused (Accelerate would silently ignore it)."""
+    compile: bool = False
+    """torch.compile the model (inductor): fused kernels, faster steps after a compile of the first
+    steps (make bench measures both). mlm needs static shapes: data.max_predictions_per_seq."""
     tf32: bool = True
     """On GPUs of compute capability 8.0 or newer, fp32 matmuls run on TF32 tensor cores (10-bit
     mantissa, ~8x the fp32 rate), as NVIDIA's BERT recipes train; MFU divides by the TF32 peak.
@@ -462,6 +483,7 @@ _RANGES = [
     ("data.mlm_probability", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.15"),
     ("data.max_seq_length", lambda v: v >= 8, ">= 8 tokens"),
     ("data.max_train_samples", lambda v: v > 0, "positive"),
+    ("data.max_predictions_per_seq", lambda v: v > 0, "positive"),
     ("data.max_eval_samples", lambda v: v > 0, "positive"),
     ("data.validation_split_percentage", lambda v: 0 < v < 100, "in (0, 100)"),
     ("data.num_workers", lambda v: v >= 0, ">= 0"),
@@ -478,6 +500,17 @@ _RANGES = [
     ("checkpoint.keep_last", lambda v: v >= 1, ">= 1"),
     ("logging.log_every", lambda v: v > 0, "positive (steps)"),
 ]
+
+
+def resolve(cfg: Config) -> list[str]:
+    """Settings derived from others, filled in before the run starts; -> one note per setting."""
+    notes = []
+    if cfg.train.compile and cfg.task.kind == "mlm" and cfg.data.max_predictions_per_seq is None:
+        cfg.data.max_predictions_per_seq = max(1, round(cfg.data.mlm_probability * cfg.data.max_seq_length))
+        notes.append(f"[config] train.compile: static shapes, data.max_predictions_per_seq="
+                     f"{cfg.data.max_predictions_per_seq} (= round({cfg.data.mlm_probability} x "
+                     f"{cfg.data.max_seq_length}) masked tokens per sequence)")
+    return notes
 
 
 def validate(cfg: Config) -> None:

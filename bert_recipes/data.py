@@ -319,6 +319,44 @@ def _is_number(value) -> bool:
         return False
 
 
+# ---------------------------------------------------------------------------- batches of similar length
+class LengthGroupedBatches:
+    """Micro batches of sequences of similar length, in random order, so little compute goes to padding
+    (what transformers' Trainer calls group_by_length). Each epoch: a seeded shuffle, cut into groups of
+    `group` optimizer steps, each group sorted by length and cut into micro batches; the steps (runs of
+    `step_batches` = global batch / micro batch micro batches, every rank's accumulation included) are
+    then shuffled, so the ranks of one step get similar lengths. A pure function of (seed, epoch) and
+    the recipe's batch sizes, not of the world size: a resumed epoch is the same epoch, even on another
+    number of processes. Accelerate shards batch i to rank i % world and skips a resumed epoch's first
+    batches, as for the default sampler."""
+
+    drop_last = True
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, step_batches: int = 1, group: int = 50):
+        self.lengths, self.batch_size, self.seed, self.step_batches = lengths, batch_size, seed, step_batches
+        self.group = group
+        self.epoch = 0
+        self.sampler = self   # where Accelerate's DataLoaderShard.set_epoch looks for it
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.lengths) // self.batch_size
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(_seed_of(self.seed, self.epoch, -1))
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        span = self.batch_size * self.group * self.step_batches
+        batches = []
+        for start in range(0, len(order), span):
+            chunk = sorted(order[start:start + span], key=lambda i: -self.lengths[i])
+            batches += [chunk[i:i + self.batch_size] for i in range(0, len(chunk) - self.batch_size + 1, self.batch_size)]
+        steps = [batches[i:i + self.step_batches] for i in range(0, len(batches), self.step_batches)]
+        for r in torch.randperm(len(steps), generator=g).tolist():
+            yield from steps[r]
+
+
 # ---------------------------------------------------------------------------- collators
 class Indexed(Dataset):
     """Adds each row's index as 'idx', which the MLM collator seeds its masking from."""
@@ -350,7 +388,8 @@ class MLMCollator:
     each epoch (with persistent DataLoader workers the workers keep their own copy)."""
 
     def __init__(self, tokenizer, mlm_probability: float, seed: int, pad_to_multiple_of: int | None = 8,
-                 fixed_length: int | None = None, whole_word: bool = False):
+                 fixed_length: int | None = None, whole_word: bool = False, max_predictions: int | None = None):
+        self.max_predictions = max_predictions
         self.tokenizer = tokenizer
         self.mlm_probability = mlm_probability
         self.seed = seed
@@ -373,6 +412,8 @@ class MLMCollator:
         if n_words == 0:
             return chosen
         target = max(1, round(int(valid.sum()) * self.mlm_probability))
+        if self.max_predictions:   # as BERT's create_pretraining_data: never more than K tokens
+            target = min(target, self.max_predictions)
         lengths = torch.bincount(word[valid], minlength=n_words)
         taken = 0
         for w in torch.randperm(n_words, generator=g).tolist():
@@ -394,6 +435,11 @@ class MLMCollator:
             n = inputs.shape[1]
             if self.whole_word:
                 chosen = self._choose_words(inputs[row], special[row], g)
+            elif self.max_predictions:   # BERT's count: min(K, round(p x tokens)) positions, chosen uniformly
+                valid = (~special[row]).nonzero()[:, 0]
+                count = min(self.max_predictions, max(1, round(len(valid) * self.mlm_probability))) if len(valid) else 0
+                chosen = torch.zeros(n, dtype=torch.bool)
+                chosen[valid[torch.randperm(len(valid), generator=g)[:count]]] = True
             else:
                 chosen = (torch.rand(n, generator=g) < self.mlm_probability) & ~special[row]
             action = torch.rand(n, generator=g)
@@ -404,6 +450,11 @@ class MLMCollator:
             inputs[row][to_mask] = self.tokenizer.mask_token_id
             inputs[row][to_random] = random_ids[to_random]
         batch["input_ids"], batch["labels"] = inputs, labels
+        if self.max_predictions:   # K positions per sequence, the unused ones at 0 (the model ignores them)
+            batch["masked_positions"] = torch.stack([
+                torch.nn.functional.pad(row.nonzero()[:, 0][:self.max_predictions],
+                                        (0, self.max_predictions - min(int(row.sum()), self.max_predictions)))
+                for row in labels != -100])
         return batch
 
 
@@ -513,7 +564,8 @@ def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: in
 def make_collator(cfg, tokenizer, fixed_length: int | None):
     if cfg.task.kind == "mlm":
         return MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed, fixed_length=fixed_length,
-                           whole_word=cfg.data.whole_word_masking)
+                           whole_word=cfg.data.whole_word_masking,
+                           max_predictions=None if fixed_length else cfg.data.max_predictions_per_seq)
     return ClassificationCollator(tokenizer, fixed_length=fixed_length)
 
 
@@ -530,7 +582,8 @@ def prepared_signature(cfg) -> dict:
             else None,
             **{f"data.{k}": getattr(d, k) for k in (
                 "max_seq_length", "packing", "text_column", "text_pair_column", "label_column", "train_split", "eval_split",
-                "extra_eval_splits", "test_splits", "max_train_samples", "max_eval_samples", "validation_split_percentage")}}
+                "extra_eval_splits", "test_splits", "max_train_samples", "max_eval_samples",
+                "validation_split_percentage")}}
 
 
 def load_prepared(cfg):
@@ -550,5 +603,5 @@ def load_prepared(cfg):
                           "it again with this recipe")
     if cfg.task.label_names is None and meta.get("label_names"):   # text labels, named when prepared
         cfg.task.label_names = meta["label_names"]
-    return AutoTokenizer.from_pretrained(str(root / "tokenizer")), DatasetDict.load_from_disk(str(root / "data")), \
-        meta["test_index"]
+    data = DatasetDict.load_from_disk(str(root / "data"))
+    return AutoTokenizer.from_pretrained(str(root / "tokenizer")), data, meta["test_index"]

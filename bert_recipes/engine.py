@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from .backend import LaunchPlan, build_accelerator, describe, rank_checksums, set_tf32
+from .backend import (LaunchPlan, build_accelerator, deepspeed_owned, describe, optimizer_in_effect, rank_checksums,
+                      set_tf32)
 from .checkpoint import export_model
 from .config import Config
-from .data import Indexed, loader_kwargs
+from .data import Indexed, LengthGroupedBatches, loader_kwargs
 from .guard import control_group, slow_barrier, update_is_finite
 from .modeling import per_sample_mlm_loss
 from .perf import peak_memory_gb
@@ -98,15 +99,30 @@ class AccelerateEngine:
     def prepare(self, module, optimizer, scheduler, data, collate):
         from torch.utils.data import DataLoader
         t = self.cfg.train
+        if not self.on_gpu:   # lengths rounded up to a multiple of 8 feed tensor cores; on a CPU it is only padding
+            collate.pad_to_multiple_of = None
         kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=self.on_gpu)
-        train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, shuffle=True,
-                                  drop_last=True, **kwargs)
+        if self.cfg.data.group_by_length:   # batches of similar length (data.LengthGroupedBatches)
+            lengths = [len(ids) for ids in data["train"]["input_ids"]]
+            batches = LengthGroupedBatches(lengths, t.micro_batch_size, self.cfg.run.seed,
+                                           step_batches=t.global_batch_size // t.micro_batch_size)
+            train_loader = DataLoader(Indexed(data["train"]), batch_sampler=batches, **kwargs)
+        else:
+            train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, shuffle=True,
+                                      drop_last=True, **kwargs)
         eval_loader = DataLoader(Indexed(data["eval"]), batch_size=t.eval_batch_size or t.micro_batch_size,
                                  **{**kwargs, "collate_fn": copy.copy(collate)})   # masks of epoch 0, always
         # The schedule wraps the torch optimizer itself, before prepare: ZeRO keeps that optimizer
-        # (and its param_groups) inside its own.
-        self.model, self.optimizer, self.train_loader, self.eval_loader = self.accelerator.prepare(
-            module, optimizer, train_loader, eval_loader)
+        # (and its param_groups) inside its own. A DeepSpeed JSON may own both instead.
+        optimizer, scheduler, owned = deepspeed_owned(self.accelerator, self.cfg, module, optimizer, scheduler)
+        if owned:
+            self.print0(owned)
+            self.model, self.optimizer, scheduler, self.train_loader, self.eval_loader = self.accelerator.prepare(
+                module, optimizer, scheduler, train_loader, eval_loader)
+        else:
+            self.model, self.optimizer, self.train_loader, self.eval_loader = self.accelerator.prepare(
+                module, optimizer, train_loader, eval_loader)
+        self.print0(optimizer_in_effect(self.optimizer))
         expected = len(data["train"]) // t.micro_batch_size // self.num_processes   # config.optimizer_steps' count
         assert len(self.train_loader) == expected, (len(self.train_loader), expected)
         self.scheduler, self.collate = scheduler, collate   # its state goes to scheduler.json (see save)
@@ -189,6 +205,8 @@ class AccelerateEngine:
         rows: dict[str, list] = {}
         for batch in (self.eval_loader if dataset is None else self._loader(dataset)):
             logits, labels = self.model(**batch).logits, batch["labels"]
+            if "masked_positions" in batch:   # the static head's logits: one row per position slot
+                labels = labels.gather(1, batch["masked_positions"])
             if task.kind == "mlm":
                 sums, counts, correct = per_sample_mlm_loss(logits, labels)
                 found = {"loss_sums": sums, "token_counts": counts, "correct": correct}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 from transformers import BertForMaskedLM
 from transformers.modeling_outputs import MaskedLMOutput
@@ -62,12 +63,24 @@ class RecipeBertForMaskedLM(BertForMaskedLM):
         return predictions.decoder(predictions.transform(hidden)) + predictions.bias
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs):
+                inputs_embeds=None, labels=None, masked_positions=None, **kwargs):
         hidden = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True,
                            **kwargs).last_hidden_state
         if labels is None:
             return MaskedLMOutput(logits=self.head(hidden))
+        if masked_positions is not None:
+            # Static shapes (data.max_predictions_per_seq): the collator gives K positions per
+            # sequence, the masked ones first, then unused slots pointing at position 0, which may be
+            # a masked token of a packed block: those slots are ignored here (-100), so every masked
+            # token counts once. No boolean indexing: no host sync, and torch.compile sees the same
+            # shapes every step. The loss is the one of the boolean path: the same tokens, the same mean.
+            index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
+            logits = self.head(hidden.gather(1, index))                        # (batch, K, vocab)
+            used = torch.arange(masked_positions.size(1), device=labels.device) < (labels != -100).sum(1, keepdim=True)
+            targets = labels.gather(1, masked_positions).masked_fill(~used, -100)
+            return MaskedLMOutput(loss=masked_lm_loss(logits.view(-1, logits.size(-1)), targets.view(-1)),
+                                  logits=logits)
         if self.sparse_head:
             selected = labels != -100
             logits = self.head(hidden[selected])

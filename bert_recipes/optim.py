@@ -8,9 +8,11 @@ import torch
 from .config import OptimConfig
 
 
-def build_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.optim.Optimizer:
     """AdamW (optim.name: adamw) or LAMB (lamb); biases and LayerNorm weights get no weight decay.
-    AdamW uses the fused kernel on CUDA, the foreach (multi-tensor) one elsewhere."""
+    The recipe owns the maths; the backend picks the implementation: torch's fused AdamW kernel (CUDA
+    and CPU; optim.fused=false: the foreach multi-tensor one), and under ZeRO offload
+    (offloaded: the step runs on the CPU) DeepSpeed's vectorised CPU Adam (optim.cpu_adam)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -20,9 +22,12 @@ def build_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
               {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    on_cuda = torch.cuda.is_available()
+    if offloaded and cfg.cpu_adam:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam   # built on first use (~45 s), then cached
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=True)
+    fused = True if cfg.fused is None else cfg.fused
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             fused=True if on_cuda else None, foreach=None if on_cuda else True)
+                             fused=True if fused else None, foreach=None if fused else True)
 
 
 class Lamb(torch.optim.Optimizer):
@@ -81,5 +86,7 @@ def lr_factor(step: int, warmup: int, total: int, decay: str, min_ratio: float, 
 
 def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
     warmup = warmup_steps(cfg, total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.decay, cfg.min_lr_ratio, cfg.poly_power))
+    scheduler.total_steps, scheduler.warmup_steps = total_steps, warmup   # for a DeepSpeed-owned schedule
+    return scheduler

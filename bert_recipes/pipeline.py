@@ -223,6 +223,12 @@ class PipelineEngine:
         if cfg.model.gradient_checkpointing:
             raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
                               "pipeline.activation_checkpoint_interval instead")
+        if {"optimizer", "scheduler"} & set(plan.ds_config):
+            raise ConfigError(f"{plan.ds_config_path} has an optimizer or scheduler block: the pipeline engine takes "
+                              "the recipe's own (optim section); remove the block from the JSON")
+        if cfg.train.compile:
+            raise ConfigError("train.compile under the pipeline engine: DeepSpeed's pipeline runs its stages "
+                              "itself; set train.compile=false")
         trackers = check_trackers(cfg.logging.trackers)
         if set(trackers) - {"tensorboard"}:
             raise ConfigError(f"logging.trackers={trackers}: the pipeline engine logs to tensorboard only")

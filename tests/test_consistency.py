@@ -51,7 +51,7 @@ def test_shipped_configs_agree_with_every_shipped_recipe(name, tmp_path):
 
 def test_every_conflict_is_named_with_both_values(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 3, "train_batch_size": 128,
-          "gradient_clipping": 0.5, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+          "gradient_clipping": 0.5, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
           "zero_optimization": {"stage": 2}}
     plan = plan_for(tmp_path, ds, ACCELERATE_MIXED_PRECISION="fp16", ACCELERATE_GRADIENT_CLIPPING="2.0")
     with pytest.raises(ConfigError) as err:
@@ -63,7 +63,7 @@ def test_every_conflict_is_named_with_both_values(tmp_path):
                      "recipe train.global_batch_size=64", "train_batch_size=128",
                      "the recipe gives 1", "gradient_accumulation_steps=3",
                      "recipe optim.max_grad_norm=1.0", "gradient_clipping=0.5", "gradient_clipping=2.0",
-                     "optimizer owned twice"]:
+                     "optimizer: recipe optim.lr=0.002, ", "optimizer.params.lr=0.01"]:
         assert expected in message, f"missing {expected!r} in:\n{message}"
     assert message.count("\n  - ") == 8
 

@@ -1,0 +1,257 @@
+"""The speed features, each checked for what it must not change: the static-shape MLM head gives the
+loss of the boolean one, torch.compile trains along the same loss curve, length-grouped batches cut
+padding and stay exact on resume, DeepSpeed's CPU Adam follows the recipe's optimizer, and a DeepSpeed
+JSON shaped like Accelerate's templates (owning optimizer and schedule) trains with the recipe's
+values. tools/bench.py (make bench) measures the speed itself; a smoke test keeps it working."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, launch, run_in_process, tiny_args
+
+NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
+
+
+# ----------------------------------------------------------------------------- static shapes, compile
+def test_static_positions_give_the_loss_of_the_boolean_head(shared_tokenizer, sample_dir):
+    """data.max_predictions_per_seq: the collator passes K positions per sequence; the head gathers
+    them (no boolean indexing, the same shapes every batch) and the loss equals the boolean path's on
+    the same labels. Half the rows are cut like packed blocks (no [CLS] at position 0, which can then
+    be masked) and many are short, so unused slots (which point at position 0) must not count."""
+    from transformers import AutoTokenizer, BertConfig
+
+    from bert_recipes.data import MLMCollator
+    from bert_recipes.modeling import RecipeBertForMaskedLM
+    tok = AutoTokenizer.from_pretrained(shared_tokenizer)
+    lines = [l for l in (sample_dir / "pretrain/train.txt").read_text().splitlines() if len(l) > 60][:16]
+    examples = []
+    for i, line in enumerate(lines):
+        e = tok(line, truncation=True, max_length=12 + 3 * i, return_special_tokens_mask=True)
+        if i % 2:   # a packed block: cut in the middle of the stream
+            e = {k: v[1:] for k, v in e.items()}
+        examples.append({**e, "idx": i})
+    for seed in range(1, 50):   # a batch where a cut row has position 0 masked and unused slots
+        batch = MLMCollator(tok, 0.15, seed=seed, max_predictions=7)(examples)
+        chosen = (batch["labels"] != -100).sum(1)
+        if any(batch["labels"][r, 0] != -100 and chosen[r] < 7 for r in range(1, 16, 2)):
+            break
+    else:
+        raise AssertionError("no batch with a masked position 0 and unused slots")
+    assert batch["masked_positions"].shape == (16, 7)
+    assert (chosen <= 7).all() and (chosen >= 1).all()
+    torch.manual_seed(0)
+    model = RecipeBertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    static = model(**batch).loss
+    static.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    dynamic = model(**{k: v for k, v in batch.items() if k != "masked_positions"}).loss
+    dynamic.backward()
+    torch.testing.assert_close(static, dynamic, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compile_follows_the_same_loss_curve(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """train.compile (inductor on CPU) against eager on the same static-shape batches: the same losses
+    within 1e-4 over 12 steps."""
+    common = {**NO_DROPOUT, "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 12,
+              "logging.log_every": 1, "data.max_predictions_per_seq": 5}
+    eager = run_in_process(tiny_args(tmp_path / "eager", sample_dir, datasets_cache, **common))
+    compiled = run_in_process(tiny_args(tmp_path / "compiled", sample_dir, datasets_cache,
+                                        **{**common, "train.compile": True}))
+    a = json.loads((tmp_path / "eager/metrics.json").read_text())["history"]["train"]
+    b = json.loads((tmp_path / "compiled/metrics.json").read_text())["history"]["train"]
+    gaps = [abs(x["loss"] - y["loss"]) for x, y in zip(a, b)]
+    assert len(gaps) == 12 and max(gaps) < 1e-4, gaps
+    assert compiled["eval_loss"] == pytest.approx(eager["eval_loss"], abs=1e-4)
+    from safetensors.torch import load_file   # the export of a compiled run is a plain Hugging Face model
+    exported, reference = (load_file(tmp_path / name / "model/model.safetensors") for name in ("compiled", "eager"))
+    assert exported.keys() == reference.keys()
+
+
+# ----------------------------------------------------------------------------- padding
+def test_length_grouped_batches_cut_padding_and_resume_exactly(tmp_path, sample_dir, datasets_cache,
+                                                               shared_tokenizer):
+    """Fine-tuning on the sample task: under 10% of the positions are padding with data.group_by_length
+    (about 70% without), and halt + resume ends with the uninterrupted run's weights."""
+    from safetensors.torch import load_file
+    args = {**NO_DROPOUT, "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 24, "data.max_seq_length": 64,
+            "data.max_train_samples": "null", "checkpoint.save_every": 12}
+
+    def waste(name, **extra):
+        run_in_process(tiny_args(tmp_path / name, sample_dir, datasets_cache, task="classification", **{**args, **extra}))
+        rows = json.loads((tmp_path / name / "metrics.json").read_text())["history"]["train"]
+        real = sum(r["tokens_per_sec"] * r["window_s"] for r in rows)
+        padded = sum(r["padded_tokens_per_sec"] * r["window_s"] for r in rows)
+        return 1 - real / padded
+    plain, grouped = waste("plain"), waste("grouped", **{"data.group_by_length": True})
+    assert grouped < 0.10 and plain > 0.3, (plain, grouped)
+    split = tiny_args(tmp_path / "split", sample_dir, datasets_cache, task="classification",
+                      **{**args, "data.group_by_length": True})
+    run_in_process(split + ["train.halt_at_step=12"])
+    run_in_process(split + ["checkpoint.resume=auto"])
+    full, resumed = load_file(tmp_path / "grouped/model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
+
+
+def test_length_grouped_batches_under_ddp(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """2 ranks: each rank gets its share of grouped batches (Accelerate shards batch i to rank i % 2) and
+    the run ends with identical weights on both ranks."""
+    metrics = launch(2, tiny_args(tmp_path / "run", sample_dir, datasets_cache, task="classification", **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "data.group_by_length": True,
+        "data.max_train_samples": "null"}))
+    final = metrics["final"]
+    assert final["num_processes"] == 2 and final["rank_checksums"][0] == final["rank_checksums"][1]
+    rows = metrics["history"]["train"]
+    assert sum(r["tokens_per_sec"] for r in rows) / sum(r["padded_tokens_per_sec"] for r in rows) > 0.85
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's optimizer paths
+TEMPLATE = {   # the shape of Accelerate's examples/deepspeed_config_templates/zero_stage2_config.json
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True,
+                                              "adam_w_mode": True}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
+                          "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def _config_with(tmp_path, name: str, ds: dict):
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    text = (REPO / f"accelerate_configs/{name}.yaml").read_text()
+    (tmp_path / "acc.yaml").write_text(text.replace(f"ds_configs/{name}.json", str(tmp_path / "ds.json")))
+    return tmp_path / "acc.yaml"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_json_that_owns_optimizer_and_schedule_trains_with_the_recipes_values(
+        stage, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    ds = json.loads(json.dumps(TEMPLATE))
+    ds["zero_optimization"]["stage"] = stage
+    config = _config_with(tmp_path, f"zero{stage}", ds)
+    out = tmp_path / "run"
+    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 16, "train.mixed_precision": "bf16"}),
+        backend=f"zero{stage}", config=config)
+    final, rows = metrics["final"], metrics["history"]["train"]
+    assert final["num_processes"] == 2 and final["backend"]["zero_stage"] == stage
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, rows
+    log = (tmp_path / "run.log").read_text()
+    assert ("[optim] optimizer AdamW from the DeepSpeed config (lr 0.003, betas [0.9, 0.999], eps 1e-08, weight decay "
+            "0.01, none on biases and norms); schedule WarmupDecayLR from the DeepSpeed config (2 warmup steps of 16)"
+            in log), log[-3000:]
+    assert "its warmup is log-shaped" in log
+    # the logged lr is the one the step used: the last of 16 steps decays to 1/14 of the peak
+    assert rows[-1]["lr"] == pytest.approx(0.003 / 14) and max(r["lr"] for r in rows) <= 0.003 + 1e-12
+
+
+def test_a_pinned_value_that_contradicts_the_recipe_is_named(tmp_path):
+    from bert_recipes.backend import LaunchPlan, check_consistency
+    from bert_recipes.config import ConfigError, load_config
+    ds = json.loads(json.dumps(TEMPLATE))
+    ds["optimizer"]["params"]["lr"] = 1e-3
+    ds["scheduler"]["type"] = "WarmupCosineLR"
+    with pytest.raises(ConfigError) as err:
+        check_consistency(load_config(REPO / "recipes/tiny-mlm.yaml"), LaunchPlan(deepspeed=True, ds_config=ds,
+                                                                                ds_config_path="ds.json"),
+                          1, 2, has_cuda=False)
+    message = str(err.value)
+    assert "optimizer: recipe optim.lr=0.002, ds.json optimizer.params.lr=0.001" in message
+    assert "schedule: recipe optim.decay=linear (DeepSpeed's WarmupDecayLR), ds.json scheduler.type=WarmupCosineLR" \
+        in message
+
+
+@pytest.mark.parametrize("decay", ["linear", "constant", "cosine"])
+def test_each_deepspeed_schedule_gets_its_own_params_from_the_recipe(decay):
+    """WarmupLR, WarmupDecayLR and WarmupCosineLR take different params (the cosine one takes ratios);
+    DeepSpeed's own class is built from what the recipe fills in, and after warmup it follows the
+    recipe's curve, down to optim.min_lr_ratio for cosine."""
+    from deepspeed.runtime import lr_schedules
+    from bert_recipes.backend import DS_SCHEDULES, ds_schedule_values
+    from bert_recipes.config import OptimConfig
+    from bert_recipes.optim import build_scheduler
+    o = OptimConfig(lr=1e-3, decay=decay, warmup_steps=4, min_lr_ratio=0.1 if decay == "cosine" else 0.0)
+    ours_opt, ds_opt = (torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=o.lr) for _ in range(2))
+    ours = build_scheduler(ours_opt, o, 20)
+    ds_type = DS_SCHEDULES[decay]
+    ds = getattr(lr_schedules, ds_type)(ds_opt, warmup_type="linear",
+                                       **ds_schedule_values(o, ds_type, ours.warmup_steps, 20))
+    lrs = []
+    for _ in range(20):
+        lrs.append((ours_opt.param_groups[0]["lr"], ds_opt.param_groups[0]["lr"]))
+        ours_opt.step(), ours.step(), ds_opt.step(), ds.step()
+    if decay != "linear":   # DeepSpeed's WarmupDecayLR runs one step behind; the others meet after warmup
+        assert all(a == pytest.approx(b, rel=1e-6) for a, b in lrs[5:]), lrs
+    assert 0.99 * o.lr <= max(b for _, b in lrs) <= o.lr * (1 + 1e-9)
+    if decay == "cosine":
+        assert lrs[-1][1] == pytest.approx(o.lr * 0.1, rel=0.1)
+
+
+def test_warmup_decay_lr_with_a_floor_is_refused():
+    from bert_recipes.backend import ds_block_conflicts
+    from bert_recipes.config import load_config
+    cfg = load_config(REPO / "recipes/tiny-mlm.yaml", ["optim.min_lr_ratio=0.1"])
+    conflicts = ds_block_conflicts(cfg, {"scheduler": TEMPLATE["scheduler"]}, "ds.json")
+    assert conflicts == ["schedule: recipe optim.min_lr_ratio=0.1, ds.json scheduler.type=WarmupDecayLR decays to 0 "
+                         "(set min_lr_ratio: 0, or drop the JSON's scheduler block)"]
+
+
+def test_offload_steps_with_deepspeeds_cpu_adam_built_from_the_recipe(tmp_path, sample_dir, datasets_cache,
+                                                                      shared_tokenizer):
+    """ZeRO-2 offload: DeepSpeed's CPU Adam (the recipe's lr, betas, eps and weight decay) steps the
+    optimizer, and the run matches torch's AdamW on the CPU (optim.cpu_adam=false) within 1e-4."""
+    common = {**NO_DROPOUT, "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "logging.log_every": 1}
+    runs = {}
+    ds = json.loads((REPO / "ds_configs/zero2_offload.json").read_text())
+    del ds["zero_force_ds_cpu_optimizer"]
+    config = _config_with(tmp_path, "zero2_offload", ds)
+    for cpu_adam in (True, False):
+        out = tmp_path / f"cpu_adam_{cpu_adam}"
+        runs[cpu_adam] = launch(2, tiny_args(out, sample_dir, datasets_cache, **{**common, "optim.cpu_adam": cpu_adam}),
+                                backend="zero2-offload", config=config if cpu_adam else None)
+        assert runs[cpu_adam]["final"]["backend"]["offload_optimizer"] is True
+    # the optimizer that steps, read from under ZeRO's wrapper: CPU Adam with decoupled weight decay,
+    # even from a JSON that leaves zero_force_ds_cpu_optimizer at its default (Accelerate would rebuild it)
+    assert "[optim] stepping: DeepSpeedCPUAdam (adamw_mode=True, lr 0.003" in (tmp_path / "cpu_adam_True.log").read_text()
+    assert "[optim] stepping: AdamW (fused=True, lr 0.003" in (tmp_path / "cpu_adam_False.log").read_text()
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(runs[True]["history"]["train"], runs[False]["history"]["train"])]
+    assert max(gaps) < 1e-4, gaps
+
+
+# ----------------------------------------------------------------------------- make bench
+def test_bench_smoke_writes_the_table_and_the_chart(tmp_path):
+    """Not a speed test: the table has its rows and every number is finite."""
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--steps", "6", "--classify-steps", "6",
+                           "--warmup", "2", "--repeats", "1", "--precisions", "no", "--out", str(out), "--profile",
+                           "--accuracy", "--accuracy-seeds", "1", "--accuracy-steps", "8", "--accuracy-pretrain-steps", "4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    names = {row["name"] for row in result["rows"]}
+    assert {"mlm: train.py", "mlm: Trainer", "classify: train.py", "classify: Trainer"} <= names, names
+    for row in result["rows"]:
+        for key in ("tokens_per_s", "mfu", "peak_memory_mb", "padding"):
+            assert row[key] == row[key] and row[key] >= 0, row
+    assert all(r["ratio"] > 0 for r in result["ratios"])
+    assert (out / "bench.md").read_text().count("| mlm") >= 2 and (out / "bench.png").stat().st_size > 10_000
+    grouped, plain = result["accuracy"]["runs"]["grouped"][0], result["accuracy"]["runs"]["not grouped"][0]
+    assert 0 <= grouped["accuracy"] <= 1 and 0 <= plain["accuracy"] <= 1
+    assert grouped["padding"] < plain["padding"] / 2, (grouped, plain)
+    text = (out / "bench.md").read_text()
+    assert "| not grouped |" in text
+    assert "## Where train.py's MLM step spends its time (no)" in text and "aten::addmm" in text, text[-2000:]
