@@ -25,9 +25,8 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
     if offloaded and cfg.cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam   # built on first use (~45 s), then cached
         return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=True)
-    fused = True if cfg.fused is None else cfg.fused
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             fused=True if fused else None, foreach=None if fused else True)
+                             fused=True if cfg.fused else None, foreach=None if cfg.fused else True)
 
 
 class Lamb(torch.optim.Optimizer):

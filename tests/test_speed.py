@@ -223,7 +223,9 @@ def test_offload_steps_with_deepspeeds_cpu_adam_built_from_the_recipe(tmp_path, 
         out = tmp_path / f"cpu_adam_{cpu_adam}"
         runs[cpu_adam] = launch(2, tiny_args(out, sample_dir, datasets_cache, **{**common, "optim.cpu_adam": cpu_adam}),
                                 backend="zero2-offload", config=config if cpu_adam else None)
-        assert runs[cpu_adam]["final"]["backend"]["offload_optimizer"] is True
+        final = runs[cpu_adam]["final"]
+        assert final["num_processes"] == 2 and final["backend"]["zero_stage"] == 2
+        assert final["backend"]["offload_optimizer"] is True
     # the optimizer that steps, read from under ZeRO's wrapper: CPU Adam with decoupled weight decay,
     # even from a JSON that leaves zero_force_ds_cpu_optimizer at its default (Accelerate would rebuild it)
     assert "[optim] stepping: DeepSpeedCPUAdam (adamw_mode=True, lr 0.003" in (tmp_path / "cpu_adam_True.log").read_text()
