@@ -115,6 +115,10 @@ class Workload:
     masked_tokens: int | None = None   # mlm: rows of the sparse head; None: mlm_probability x tokens
     mlm_probability: float = 0.15
     padded: bool = False               # some attention_mask zeros (dynamic padding): sdpa gets a mask
+    dropout_impl: str = "auto"         # model.dropout_impl: packed masks (bool) on CPU, torch's on GPU
+
+    def packed_dropout(self, device: str) -> bool:
+        return self.dropout_impl == "packed" or (self.dropout_impl == "auto" and device == "cpu")
 
     @property
     def predicted_rows(self) -> int:
@@ -128,9 +132,12 @@ class Workload:
 def attention_kernel(work: Workload, device: str) -> str:
     """Which attention the step runs: 'fused' (flash / memory-efficient: saves q, k, v, out and a
     log-sum-exp) or 'math' (saves the s x s probabilities). On CPU, torch's fused kernel is taken
-    only without attention dropout (measured, torch 2.13); on CUDA, sdpa is fused for any dropout."""
+    only without attention dropout (measured, torch 2.13); on CUDA, sdpa is fused for any dropout.
+    'packed': bert_recipes.dropout's math path with a packed dropout mask."""
     if work.attn_implementation == "eager":
         return "math"
+    if work.attention_dropout > 0 and work.packed_dropout(device):
+        return "packed"
     if device == "cuda":
         return "fused"
     return "fused" if work.attention_dropout == 0 else "math"
@@ -152,10 +159,11 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
     res = 4 if autocast else e              # residual stream and LayerNorm inputs (fp32 + 16-bit -> fp32)
     stat = 4 if (device == "cuda" or not half) else 2   # LayerNorm mean and rstd
     p_h, p_a = work.hidden_dropout > 0, work.attention_dropout > 0
+    packed = work.packed_dropout(device)
 
-    def mask(elements: int, of_bytes: int) -> int:
-        """A dropout mask: bool on CUDA, the input's dtype on CPU."""
-        return elements * (1 if device == "cuda" else of_bytes)
+    def mask(elements: int, of_bytes: int, module: bool = True) -> int:
+        """A dropout mask: bool on CUDA and packed (dropout modules), torch's on CPU in the input's dtype."""
+        return elements * (1 if device == "cuda" or (packed and module) else of_bytes)
 
     # --- embeddings: input_ids and token_type_ids (int64) for the lookups, LayerNorm, dropout
     embeddings = 2 * tokens * 8 + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
@@ -176,10 +184,15 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
         probs = 4 if (autocast and device == "cuda") else lin
         attention = 3 * B * lin + scores * probs
         if p_a:
-            attention += mask(scores, probs) + scores * probs
+            attention += mask(scores, probs, module=False) + scores * probs   # functional dropout: torch's
         if autocast and device == "cuda":
             attention += scores * lin
         context = B * lin                               # transpose(1, 2).contiguous()
+    elif kernel == "packed":
+        # q, k^T and v as contiguous copies for the matmuls, the fp32 softmax output, the bool mask and
+        # the dropped probabilities (in the values' dtype); with padding, the inverted bool mask.
+        attention = 3 * B * lin + scores * 4 + scores + scores * lin + (b * s * s if work.padded else 0)
+        context = B * lin
     else:
         # torch's math sdpa (CPU with attention dropout) computes in fp32 whatever the inputs.
         attention = 3 * B * 4 + scores * 4 + (2 * scores * 4 if p_a else 0)
@@ -232,7 +245,8 @@ def workload_of(cfg, config=None, micro_batch: int | None = None, masked_tokens:
     return Workload(batch=micro_batch or cfg.train.micro_batch_size, seq=cfg.data.max_seq_length,
                     hidden_dropout=hidden, attention_dropout=attention, attn_implementation=m.attn_implementation,
                     sparse_head=m.sparse_mlm_head, masked_tokens=masked_tokens,
-                    mlm_probability=cfg.data.mlm_probability, padded=cfg.task.kind == "classification")
+                    mlm_probability=cfg.data.mlm_probability, padded=cfg.task.kind == "classification",
+                    dropout_impl=m.dropout_impl)
 
 
 # ----------------------------------------------------------------------------- backends

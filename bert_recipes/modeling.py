@@ -220,6 +220,9 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
         model = (RecipeBertForMaskedLM if task.kind == "mlm" else BertForSequenceClassification)(config)
     if task.kind == "mlm":
         model.sparse_head = model_cfg.sparse_mlm_head
+    if model_cfg.dropout_impl != "torch":
+        from .dropout import use_packed_dropout
+        use_packed_dropout(model, model_cfg.dropout_impl)
     if model_cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -26,11 +26,13 @@ TOLERANCE = 0.10
 
 
 def tiny_model(task: str, hidden: int, layers: int, heads: int, seq: int, dropout: float, attn_dropout: float,
-               attn: str = "sdpa", sparse: bool = True, checkpointing: bool = False, num_labels: int = 3):
+               attn: str = "sdpa", sparse: bool = True, checkpointing: bool = False, num_labels: int = 3,
+               dropout_impl: str = "auto"):
     model_cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                             intermediate_size=4 * hidden, max_position_embeddings=max(64, seq),
                             hidden_dropout_prob=dropout, attention_probs_dropout_prob=attn_dropout,
-                            attn_implementation=attn, sparse_mlm_head=sparse, gradient_checkpointing=checkpointing)
+                            attn_implementation=attn, sparse_mlm_head=sparse, gradient_checkpointing=checkpointing,
+                            dropout_impl=dropout_impl)
     task_cfg = TaskConfig(kind=task, num_labels=num_labels)
     config = model_config(model_cfg, task_cfg, vocab_size=500, pad_token_id=0)
     return build_model(model_cfg, task_cfg, config=config), config
@@ -76,14 +78,22 @@ CASES = [
     ("classification", 32, 2, 2, 4, 32, "autocast", "sdpa", 0.1, 0.1, True, False, True, 2),
     ("classification", 64, 2, 4, 4, 32, "half", "sdpa", 0.1, 0.1, True, False, False, 1),
     ("classification", 64, 2, 4, 4, 32, "fp32", "eager", 0.0, 0.0, True, False, True, 1),
+    # model.dropout_impl=torch: torch's CPU dropout (masks in the input's dtype, sdpa's fp32 math path)
+    ("mlm", 32, 2, 2, 4, 32, "fp32", "sdpa", 0.1, 0.1, True, False, False, 3, "torch"),
+    ("mlm", 64, 2, 4, 4, 64, "autocast", "sdpa", 0.1, 0.1, True, False, False, 3, "torch"),
+    ("classification", 32, 2, 2, 4, 32, "autocast", "sdpa", 0.1, 0.1, True, False, True, 2, "torch"),
+    ("mlm", 64, 3, 4, 4, 64, "fp32", "sdpa", 0.1, 0.1, True, True, False, 3, "torch"),
+    # model.dropout_impl=packed, the default on CPU: also with padding in half precision
+    ("classification", 64, 2, 4, 4, 32, "half", "sdpa", 0.1, 0.1, True, False, True, 1, "packed"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_activation_estimate_matches_saved_tensors(case):
-    task, hidden, layers, heads, batch, seq, precision, attn, p, p_attn, sparse, ckpt, padded, labels = case
+    task, hidden, layers, heads, batch, seq, precision, attn, p, p_attn, sparse, ckpt, padded, labels, *impl = case
+    impl = impl[0] if impl else "auto"
     torch.manual_seed(0)
-    model, config = tiny_model(task, hidden, layers, heads, seq, p, p_attn, attn, sparse, ckpt, labels)
+    model, config = tiny_model(task, hidden, layers, heads, seq, p, p_attn, attn, sparse, ckpt, labels, impl)
     if precision == "half":
         model.to(torch.bfloat16)
     model.train()
@@ -91,7 +101,7 @@ def test_activation_estimate_matches_saved_tensors(case):
     data = tiny_batch(task, batch, seq, config.vocab_size, masked, labels, padded)
     got = measure_activations(model, data, torch.bfloat16 if precision == "autocast" else None)
     work = Workload(batch=batch, seq=seq, hidden_dropout=p, attention_dropout=p_attn, attn_implementation=attn,
-                    sparse_head=sparse, masked_tokens=masked, padded=padded)
+                    sparse_head=sparse, masked_tokens=masked, padded=padded, dropout_impl=impl)
     shape = Shape.from_config(config, task)
     estimate = activation_bytes(shape, work, precision, "cpu", ckpt)
     print(f"[activations] {case}: estimate {estimate['total']:,} measured {got['activations']:,}")

@@ -77,6 +77,86 @@ def test_compile_follows_the_same_loss_curve(tmp_path, sample_dir, datasets_cach
     assert exported.keys() == reference.keys()
 
 
+# ----------------------------------------------------------------------------- dropout masks
+def test_packed_dropout_keeps_one_minus_p_and_the_expectation():
+    """model.dropout_impl=packed: a 16-bit word per element, kept at or above round(p * 2^16); kept
+    values scaled by the inverse of that exact keep probability; the same seed, the same mask; the
+    gradient is the mask times the scale."""
+    from bert_recipes.dropout import packed_dropout
+    x = torch.ones(1_000_003, requires_grad=True)   # not a multiple of four words
+    torch.manual_seed(3)
+    y = packed_dropout(x, 0.1)
+    kept = (y != 0).double().mean().item()
+    assert kept == pytest.approx(1 - 6554 / 65536, abs=0.0015)        # binomial sd 0.0003
+    values = y.unique().tolist()
+    assert len(values) == 2 and values[0] == 0 and values[1] == pytest.approx(65536 / (65536 - 6554))
+    assert y.double().mean().item() == pytest.approx(1.0, abs=0.002)   # the expectation is the input's
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, y.detach())
+    torch.manual_seed(3)
+    assert torch.equal(packed_dropout(torch.ones(1_000_003), 0.1), y.detach())
+    assert (packed_dropout(torch.ones(1000), 1.0) == 0).all()
+
+
+def test_packed_attention_is_sdpas_math_path_with_that_mask():
+    """The attention used with model.dropout_impl on CPU equals torch's own SDPA math kernel fed the same
+    dropout mask (aten._scaled_dot_product_attention_math), padding included; without dropout it is
+    transformers' sdpa."""
+    from types import SimpleNamespace
+
+    from bert_recipes.dropout import attention, keep_mask
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(3))
+    attend = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    attend[1, :, :, 11:] = False                       # the second sequence: 5 padded positions
+    module = SimpleNamespace(training=True, is_causal=False, dropout_impl="auto")
+    torch.manual_seed(5)
+    ours, _ = attention(module, q, k, v, attend, dropout=0.1, scaling=0.3)
+    torch.manual_seed(5)
+    mask, scale = keep_mask((2, 2, 16, 16), 0.1, "cpu")
+    additive = torch.zeros(attend.shape).masked_fill(~attend, float("-inf"))   # what SDPA hands its math kernel
+    reference, _ = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, additive, 1 - 1 / scale, False, mask,
+                                                                       scale=0.3)
+    torch.testing.assert_close(ours, reference.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(ours.sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(reference.sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    plain, _ = attention(module, q, k, v, attend, dropout=0.0, scaling=0.3)
+    torch.testing.assert_close(plain, torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attend, scale=0.3).transpose(1, 2))
+
+
+def test_a_model_with_packed_dropout_masks_padding_and_exports_plain_sdpa(tmp_path):
+    """The swapped model still builds its padding mask (transformers builds none for an attention name
+    it has no mask function for): in training, with dropout on, a padded token changes nothing at the
+    real positions. Its export has no trace of the swap: it loads as a plain model with sdpa."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from bert_recipes.dropout import ATTENTION, PackedDropout, use_packed_dropout
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=64))
+    swapped = use_packed_dropout(model, "auto")
+    assert swapped == 8 and model.config._attn_implementation == ATTENTION   # embeddings, 3 per layer, classifier
+    assert all(type(m) is not torch.nn.Dropout for m in model.modules())
+    assert sum(isinstance(m, PackedDropout) for m in model.modules()) == 8
+    model.train()
+    ids = torch.randint(5, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    outputs = []
+    for pad_token in (0, 77):
+        ids[1, 8:] = pad_token
+        torch.manual_seed(9)
+        outputs.append(model.bert(ids, attention_mask=mask).last_hidden_state)
+    torch.testing.assert_close(outputs[0][0], outputs[1][0])
+    torch.testing.assert_close(outputs[0][1, :8], outputs[1][1, :8])
+    model.save_pretrained(tmp_path / "export")
+    assert "sdpa_packed" not in (tmp_path / "export/config.json").read_text()
+    loaded = BertForSequenceClassification.from_pretrained(tmp_path / "export")
+    assert loaded.config._attn_implementation == "sdpa"
+
+
 # ----------------------------------------------------------------------------- padding
 def test_length_grouped_batches_cut_padding_and_resume_exactly(tmp_path, sample_dir, datasets_cache,
                                                                shared_tokenizer):

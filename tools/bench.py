@@ -11,7 +11,8 @@ train_sampling_strategy="group_by_length" for fine-tuning, the fused AdamW on CU
 process; the sides alternate, repeat after repeat, and the first --warmup steps of every run are not timed. The table
 (bench.md, bench.json, bench.png) gives the median tokens/s of each side and their ratio, MFU against a
 matmul peak measured in the same run, peak memory and the share of positions that were padding; and our
-speed features on and off: torch.compile, fused against foreach AdamW, length-grouped batches, and under
+speed features on and off: torch.compile, fused against foreach AdamW, packed against torch's dropout masks,
+length-grouped batches, and under
 ZeRO-2 offload DeepSpeed's CPU Adam against torch's AdamW (--offload, 2 processes).
 
 Absolute numbers on a shared machine are noise; the ratios from one run are the result.
@@ -81,6 +82,8 @@ def variants(precisions: list[str], offload: bool) -> list[dict]:
              "extra": ["optim.fused=false"], "pair": "mlm: train.py, fused AdamW"},
             {"name": "mlm: train.py, fused AdamW", "workload": "mlm", "side": "ours", "precision": p,
              "extra": ["optim.fused=true"]},
+            {"name": "mlm: train.py, torch dropout", "workload": "mlm", "side": "ours", "precision": p,
+             "extra": ["model.dropout_impl=torch"], "pair": "mlm: train.py"},
             {"name": "classify: train.py", "workload": "classify", "side": "ours", "precision": p,
              "extra": ["data.group_by_length=true"], "pair": "classify: Trainer"},
             {"name": "classify: Trainer", "workload": "classify", "side": "trainer", "precision": p},
@@ -254,6 +257,8 @@ def measure(args) -> dict:
     rows = variants(args.precisions.split(","), args.offload)
     if args.only:   # a subset of the rows, e.g. --only classify
         rows = [r for r in rows if any(word in r["name"] for word in args.only.split(","))]
+    if args.rows:   # these rows by name, e.g. --rows "mlm: train.py|mlm: Trainer"
+        rows = [r for r in rows if r["name"] in args.rows.split("|")]
     # fine-tuning: one epoch, so both sides see the same sequences (their length mix decides tokens/s)
     epoch_steps = (args.classify_steps or
                    json.loads((data["classify"] / "prepared.json").read_text())["splits"]["train"] // size["batch"])
@@ -405,6 +410,7 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", default="no,bf16", help="comma-separated: no, bf16 (and fp16 on GPUs)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--only", help="comma-separated words: run only the rows whose name contains one")
+    parser.add_argument("--rows", help="|-separated row names: run only these rows")
     parser.add_argument("--classify-steps", type=int, help="fine-tuning steps per run (default: one epoch)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
