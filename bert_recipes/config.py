@@ -68,10 +68,12 @@ class ModelConfig:
     attention_probs_dropout_prob: Optional[float] = None
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     dropout_impl: Literal["auto", "torch", "packed"] = "auto"
-    """How dropout masks are drawn; the maths (keep probability, scaling) is the same. packed: four 16-bit
-    words per 64-bit random draw (bert_recipes/dropout.py; keep probability exact to 2^-17), 3-4x
-    cheaper than torch's per-element bernoulli_ on CPU, where it is serial. auto: packed on CPU
-    outside torch.compile, torch's fused dropout on GPUs. torch: always torch's."""
+    """How dropout masks are drawn; the keep probability and scaling are torch's. packed: four 16-bit
+    words per 64-bit random draw (bert_recipes/dropout.py; keep probability exact to 2^-17) instead of
+    torch's serial per-element bernoulli_ on CPU; a BERT encoder's attention dropout then runs SDPA's
+    math path with that mask (bf16 matmuls under bf16 autocast, where torch's upcasts to fp32).
+    auto: packed on CPU, torch's fused dropout on GPUs. torch: always torch's. train.compile keeps
+    torch's in every case. make bench measures it (the "torch dropout" row)."""
     sparse_mlm_head: bool = True
     """mlm: run the prediction head on masked positions only (same loss, ~3x less head compute)."""
     gradient_checkpointing: bool = False

@@ -1,7 +1,7 @@
-"""Dropout with cheap random bits (model.dropout_impl): the same maths as torch's dropout, drawn faster on CPU.
+"""Dropout with cheap random bits (model.dropout_impl): torch's dropout distribution, drawn faster on CPU.
 
 torch's CPU dropout draws one double per element from a serial Mersenne Twister (`bernoulli_`): on the
-mini bench model (4 layers, hidden 256, sequence 128, batch 16) its 13 masks, 8.4M elements, took 47 ms
+mini bench model (4 layers, hidden 256, sequence 128, batch 16) its 13 masks, 8.9M elements, took 47 ms
 of a 324 ms fp32 step and 18% of the bf16 step (make bench --profile). Here one 64-bit draw gives four
 16-bit words, and an element is kept when its word is at or above round(p * 65536): the keep probability
 is 1 - p to within 2^-17 (0.1 -> 0.10000610), and the kept values are scaled by the inverse of the exact
@@ -9,11 +9,16 @@ keep probability, so the expectation is the input's, as with torch. Same generat
 saved and restored with every checkpoint), so runs stay reproducible and resume exactly.
 
 Attention dropout sits inside scaled_dot_product_attention, which on CPU falls back to its math path
-whenever dropout is on; "sdpa_packed_dropout" is that math path with this mask. Without dropout (eval,
-p = 0) it is transformers' sdpa, and on GPUs torch's fused dropout is already cheap: "auto" uses this
-only for CPU tensors and outside torch.compile (whose generated kernels draw their own bits).
+whenever dropout is on; "sdpa_packed_dropout" is that math path with this mask, for BERT's bidirectional
+encoder only (anything else, and eval, p = 0, goes to transformers' sdpa). One difference under bf16
+autocast: torch's math path upcasts q, k, v to fp32, here the two matmuls run in bf16 (fp32 softmax),
+as fused GPU kernels do. On GPUs torch's fused dropout is already cheap, so "auto" packs only CPU
+tensors; under torch.compile every setting keeps torch's dropout (dynamo cannot trace `random_`, and
+inductor's kernels draw their own bits).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +29,7 @@ ATTENTION = "sdpa_packed_dropout"
 
 def keep_mask(shape, p: float, device) -> tuple[torch.Tensor, float]:
     """-> (bool mask, True with probability 1 - round(p * 2^16) / 2^16; the scale 1 / that probability)."""
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     threshold = round(p * 65536)
     words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-2 ** 63, None)
     bits = words.view(torch.int16)[:numel].view(shape)          # four uniform int16 per draw
@@ -34,14 +37,16 @@ def keep_mask(shape, p: float, device) -> tuple[torch.Tensor, float]:
 
 
 def packed_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    if p >= 1:
+    if round(p * 65536) >= 65536:   # p within 2^-17 of 1: nothing kept (and no int16 threshold exists)
         return x * 0
     mask, scale = keep_mask(x.shape, p, x.device)
     return x.mul(mask).mul_(scale)   # autograd keeps the mask (mul's backward), not x
 
 
 def _packed_here(x: torch.Tensor, impl: str) -> bool:
-    return impl == "packed" or (impl == "auto" and x.device.type == "cpu" and not torch.compiler.is_compiling())
+    if torch.compiler.is_compiling():
+        return False
+    return impl == "packed" or (impl == "auto" and x.device.type == "cpu")
 
 
 class PackedDropout(nn.Dropout):
@@ -61,7 +66,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     """transformers' attention interface: SDPA's math path (scores, softmax, dropout, values) with the
     packed mask when dropout is on; otherwise transformers' own sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    if not dropout or not _packed_here(query, getattr(module, "dropout_impl", "auto")):
+    plain = not kwargs.get("is_causal", getattr(module, "is_causal", False)) and query.shape[1] == key.shape[1]
+    if not dropout or not plain or not _packed_here(query, getattr(module, "dropout_impl", "auto")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = query.size(-1) ** -0.5 if scaling is None else scaling
@@ -76,9 +82,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
 
 def use_packed_dropout(model: nn.Module, impl: str) -> int:
-    """Swap the model's nn.Dropout modules (and, with sdpa, its attention) for the packed ones; -> how many
-    dropout modules. Parameters and exported weights are untouched: dropout has none, and the attention
-    name is not saved with the config (an export loads as plain sdpa)."""
+    """Swap the model's nn.Dropout modules (and, for a BERT encoder with sdpa, its attention) for the packed
+    ones; -> how many dropout modules. Parameters and exported weights are untouched: dropout has none,
+    and the attention name is not saved with the config (an export loads as plain sdpa). Other
+    architectures (a classifier from any Hub model) and BERT as a decoder keep transformers' attention."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(ATTENTION, attention)
@@ -91,6 +98,7 @@ def use_packed_dropout(model: nn.Module, impl: str) -> int:
                 swapped += 1
             if hasattr(child, "is_causal") and hasattr(child, "dropout"):   # self-attention: reads dropout_impl
                 child.dropout_impl = impl
-    if model.config._attn_implementation == "sdpa":
+    config = model.config
+    if config._attn_implementation == "sdpa" and config.model_type == "bert" and not config.is_decoder:
         model.config._attn_implementation = ATTENTION
     return swapped

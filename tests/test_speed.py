@@ -96,6 +96,7 @@ def test_packed_dropout_keeps_one_minus_p_and_the_expectation():
     torch.manual_seed(3)
     assert torch.equal(packed_dropout(torch.ones(1_000_003), 0.1), y.detach())
     assert (packed_dropout(torch.ones(1000), 1.0) == 0).all()
+    assert (packed_dropout(torch.ones(1000), 1 - 2 ** -18) == 0).all()   # no int16 threshold: nothing kept
 
 
 def test_packed_attention_is_sdpas_math_path_with_that_mask():
@@ -155,6 +156,10 @@ def test_a_model_with_packed_dropout_masks_padding_and_exports_plain_sdpa(tmp_pa
     assert "sdpa_packed" not in (tmp_path / "export/config.json").read_text()
     loaded = BertForSequenceClassification.from_pretrained(tmp_path / "export")
     assert loaded.config._attn_implementation == "sdpa"
+    decoder = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                                       num_attention_heads=2, intermediate_size=64, is_decoder=True))
+    use_packed_dropout(decoder, "auto")   # causal attention: transformers' sdpa, only the dropout modules swap
+    assert decoder.config._attn_implementation == "sdpa"
 
 
 # ----------------------------------------------------------------------------- padding
@@ -316,20 +321,23 @@ def test_offload_steps_with_deepspeeds_cpu_adam_built_from_the_recipe(tmp_path, 
 
 # ----------------------------------------------------------------------------- make bench
 def test_bench_smoke_writes_the_table_and_the_chart(tmp_path):
-    """Not a speed test: the table has its rows and every number is finite."""
+    """Not a speed test: the table has its rows and every number is finite. Five of the rows (--rows):
+    the compile row alone would double the time, and train.compile has its own test above."""
     out = tmp_path / "bench"
+    rows = "mlm: train.py|mlm: Trainer|mlm: train.py, torch dropout|classify: train.py|classify: Trainer"
     proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--steps", "6", "--classify-steps", "6",
                            "--warmup", "2", "--repeats", "1", "--precisions", "no", "--out", str(out), "--profile",
+                           "--rows", rows,
                            "--accuracy", "--accuracy-seeds", "1", "--accuracy-steps", "8", "--accuracy-pretrain-steps", "4"],
                           cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     names = {row["name"] for row in result["rows"]}
-    assert {"mlm: train.py", "mlm: Trainer", "classify: train.py", "classify: Trainer"} <= names, names
+    assert names == set(rows.split("|")), names
     for row in result["rows"]:
         for key in ("tokens_per_s", "mfu", "peak_memory_mb", "padding"):
             assert row[key] == row[key] and row[key] >= 0, row
-    assert all(r["ratio"] > 0 for r in result["ratios"])
+    assert all(r["ratio"] > 0 for r in result["ratios"]) and len(result["ratios"]) == 3
     assert (out / "bench.md").read_text().count("| mlm") >= 2 and (out / "bench.png").stat().st_size > 10_000
     grouped, plain = result["accuracy"]["runs"]["grouped"][0], result["accuracy"]["runs"]["not grouped"][0]
     assert 0 <= grouped["accuracy"] <= 1 and 0 <= plain["accuracy"] <= 1
