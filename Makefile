@@ -14,6 +14,15 @@ ARGS     ?=
 
 # Offline only for what runs on the project's own data (the demo, the tests).
 OFFLINE  := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# A user's mistake is one `config error:` line and exit code 2: what a plain process can check is
+# checked before the launch, in the launch's environment (bert_recipes/preflight.py, the checks
+# train.py itself starts with); what only a rank sees is its one line, and the wrapper drops the
+# launcher's ChildFailedError report after it, keeping the rank's exit code (bert_recipes/launch.py).
+PREFLIGHT = $(PY) -m bert_recipes.preflight
+LAUNCH    = $(PY) -m bert_recipes.launch $(ACCEL) launch
+# Where the demo writes its two runs; it starts over each time (run.overwrite), so it runs twice in a row.
+RUNS     ?= runs
+SAMPLE   ?= data/sample
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 # The launcher (torch's elastic agent) forwards these to the training processes, which then save a
@@ -35,19 +44,24 @@ $(VENV)/.installed: requirements.txt
 
 setup: $(VENV)/.installed  ## create .venv and install requirements.txt
 
-demo: setup  ## pretrain a tiny BERT on 2 CPU processes, fine-tune it, print a summary (~10 min)
-	$(PY) -m bert_recipes.sample data/sample
-	$(OFFLINE) $(call col,ddp,4) $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(or $(NPROC),2) \
-		train.py --recipe recipes/tiny-mlm.yaml --logging.progress_bar=false $(ARGS)
-	$(OFFLINE) $(call col,ddp,4) $(ACCEL) launch --config_file accelerate_configs/cpu.yaml --num_processes $(or $(NPROC),2) \
-		train.py --recipe recipes/tiny-classify.yaml --logging.progress_bar=false $(ARGS)
-	$(PY) -m bert_recipes.summary runs/tiny-mlm runs/tiny-classify
+DEMO_MLM = --recipe recipes/tiny-mlm.yaml --run.output_dir=$(RUNS)/tiny-mlm --data.sample_dir=$(SAMPLE) \
+	--run.overwrite=true --logging.progress_bar=false $(ARGS)
+DEMO_CLS = --recipe recipes/tiny-classify.yaml --run.output_dir=$(RUNS)/tiny-classify --data.sample_dir=$(SAMPLE) \
+	--model.name_or_path=$(RUNS)/tiny-mlm/model --run.overwrite=true --logging.progress_bar=false $(ARGS)
+DEMO_NPROC = --num_processes $(or $(NPROC),2)
+
+demo: setup  ## pretrain a tiny BERT on 2 CPU processes, fine-tune it, print a summary (~10 min); starts over each time
+	$(PY) -m bert_recipes.sample $(SAMPLE)
+	@$(call col,ddp,4) $(PREFLIGHT) accelerate_configs/cpu.yaml $(DEMO_NPROC) -- $(DEMO_MLM)
+	$(OFFLINE) $(call col,ddp,4) $(LAUNCH) --config_file accelerate_configs/cpu.yaml $(DEMO_NPROC) train.py $(DEMO_MLM)
+	$(OFFLINE) $(call col,ddp,4) $(LAUNCH) --config_file accelerate_configs/cpu.yaml $(DEMO_NPROC) train.py $(DEMO_CLS)
+	$(PY) -m bert_recipes.summary $(RUNS)/tiny-mlm $(RUNS)/tiny-classify
 
 test: setup  ## run the test suite (CPU, offline)
 	$(OFFLINE) $(PY) -m pytest tests -v -ra --durations=15
 
 # ---------------------------------------------------------------- one target per parallelism mode
-# make zero3 RECIPE=recipes/bert-large-mlm.yaml        on the GPUs in accelerate_configs/zero3.yaml
+# make zero3 RECIPE=recipes/bert-base-mlm-phase1.yaml  on the GPUs in accelerate_configs/zero3.yaml
 # make zero3 CPU=1                                     the same on 2 CPU processes (no GPU needed)
 # NPROC=4 overrides the process count, CONFIG=... the accelerate config. The targets, their configs
 # and the CPU launch rule are the rows of accelerate_configs/backends.tsv (tools/ and the tests read
@@ -68,26 +82,27 @@ modes:  ## list the parallelism targets: make <mode> [CPU=1] [RECIPE=...] [NPROC
 	@awk -F'\t' '!/^\#/ {printf "  make %-14s %s\n", $$1, $$2}' $(BACKENDS)
 
 $(SINGLE_HOST_MODES): setup
-	@$(PY) -m bert_recipes.backend $(MODE_CONFIG)
-	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
+	@$(CPU_ENV) $(PREFLIGHT) $(MODE_CONFIG) $(NPROC_ARG) -- --recipe $(RECIPE) $(ARGS)
+	$(CPU_ENV) $(LAUNCH) --config_file $(MODE_CONFIG) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 
 # Multi-node rows: on each node, make multinode[-zero3] MACHINE_RANK=<0|1> MAIN_IP=<main node ip> (or use
 # slurm/, which fills these in from SLURM's variables). CPU=1 runs 2 "nodes" x 1 process on 127.0.0.1.
 $(MULTI_NODE_MODES): setup
-	@$(PY) -m bert_recipes.backend $(MODE_CONFIG)
 ifdef CPU
-	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) --num_machines 2 --num_processes 2 \
+	@$(CPU_ENV) $(PREFLIGHT) $(MODE_CONFIG) --num_processes 2 -- --recipe $(RECIPE) $(ARGS)
+	$(CPU_ENV) $(LAUNCH) --config_file $(MODE_CONFIG) --num_machines 2 --num_processes 2 \
 		--machine_rank 1 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS) & \
 	node1=$$!; \
-	$(CPU_ENV) $(ACCEL) launch --config_file $(MODE_CONFIG) --num_machines 2 --num_processes 2 \
+	$(CPU_ENV) $(LAUNCH) --config_file $(MODE_CONFIG) --num_machines 2 --num_processes 2 \
 		--machine_rank 0 --main_process_ip 127.0.0.1 --main_process_port 29533 train.py --recipe $(RECIPE) $(ARGS); \
-	status=$$?; wait $$node1 || status=1; exit $$status
+	status=$$?; wait $$node1 || status=$$?; exit $$status
 else
-	$(ACCEL) launch --config_file $(MODE_CONFIG) --machine_rank $(MACHINE_RANK) \
+	@$(PREFLIGHT) $(MODE_CONFIG) $(if $(NPROC),--num_processes $(NPROC)) -- --recipe $(RECIPE) $(ARGS)
+	$(LAUNCH) --config_file $(MODE_CONFIG) --machine_rank $(MACHINE_RANK) \
 		$(if $(MAIN_IP),--main_process_ip $(MAIN_IP)) $(if $(NPROC),--num_processes $(NPROC)) train.py --recipe $(RECIPE) $(ARGS)
 endif
 
-# ---------------------------------------------------------------- diagnostics (README: "When training is slow or hangs")
+# ---------------------------------------------------------------- diagnostics (docs/troubleshooting.md: "When training is slow or hangs")
 GPUS      = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
 DIAG_NPROC = $(or $(NPROC),$(if $(filter-out 0,$(GPUS)),$(GPUS),2))
 DIAG_ENV   = $(if $(filter-out 0,$(GPUS)),,ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1)
@@ -123,4 +138,4 @@ print-config: setup  ## show the resolved config of RECIPE (with ARGS overrides)
 	$(PY) train.py --recipe $(RECIPE) --print-config $(ARGS)
 
 clean:  ## remove runs/ and the built sample (keeps .venv)
-	rm -rf runs data/sample
+	rm -rf runs data/sample $(RUNS) $(SAMPLE)

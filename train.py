@@ -12,7 +12,6 @@ Reads top to bottom: config -> engine -> data -> model -> optimizer -> prepare -
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import signal
@@ -27,9 +26,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads 
 import torch
 
 from bert_recipes.backend import read_launch_plan
-from bert_recipes.checkpoint import (check_output_dir, check_shared_output_dir, model_card, read_train_state,
-                                     resolve_resume, save_checkpoint, start_output_dir)
-from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, load_config, optimizer_steps, resolve,
+from bert_recipes.checkpoint import (check_shared_output_dir, model_card, read_train_state, resolve_resume,
+                                     save_checkpoint, start_output_dir)
+from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
                                  schedule_warnings, to_yaml, validate)
 from bert_recipes.data import on_rank0, prepare_data
 from bert_recipes.engine import build_engine
@@ -42,6 +41,7 @@ from bert_recipes.modeling import build_model, check_sequence_length, count_para
 from bert_recipes.optim import build_optimizer, build_scheduler
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
 from bert_recipes.perf import DataLoaderWatch, flops_per_token, peak_flops, profile_table, start_profiler
+from bert_recipes.preflight import preflight
 
 
 # ----------------------------------------------------------------------------- main
@@ -76,30 +76,26 @@ def main(cfg: Config) -> dict:
     from accelerate.utils import set_seed
 
     t_start = time.perf_counter()
-    validate(cfg)
-    derived = resolve(cfg)
+    # The launch plan (accelerate YAML + DeepSpeed JSON) is read once. Everything a plain process can
+    # check is checked first (the Make targets ran the same checks before launching): nothing is
+    # written to output_dir until every check has passed, just before the loop.
+    plan = read_launch_plan()
+    notes = preflight(cfg, plan, int(os.environ.get("WORLD_SIZE", "1")))
     output_dir = Path(cfg.run.output_dir)
     config_yaml = to_yaml(cfg)
-    # Nothing is written to output_dir until every check has passed (just before the loop); an
-    # output_dir holding another run's checkpoints is refused here (run.overwrite to replace it).
-    resume_notes = check_output_dir(output_dir, config_yaml, cfg.checkpoint.resume, cfg.run.overwrite)
 
     # -------------------------------------------------------------------- engine
-    # The launch plan (accelerate YAML + DeepSpeed JSON) is read once. Building the engine starts the
-    # process group and compares the recipe with the plan before any heavy work.
-    plan = read_launch_plan()
+    # Building the engine starts the process group and compares the recipe with the plan.
     engine = build_engine(cfg, plan, output_dir)
     print0 = engine.print0
     set_seed(cfg.run.seed)
-    for note in derived:
-        print0(note)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
            f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
     check_shared_output_dir(output_dir, engine)
     # Rank 0 picks the checkpoint and tells the others: ranks may see the disk at different times.
-    checkpoint, notes = on_rank0(engine.is_main, engine.broadcast,
-                                 lambda: resolve_resume(cfg.checkpoint.resume, output_dir))
-    for note in resume_notes + notes:
+    checkpoint, resume_notes = on_rank0(engine.is_main, engine.broadcast,
+                                        lambda: resolve_resume(cfg.checkpoint.resume, output_dir))
+    for note in notes + resume_notes:
         print0(note)
 
     # -------------------------------------------------------------------- data
@@ -334,28 +330,6 @@ def finish(run: Run, wall_time_s: float) -> dict:
     return final
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Any setting can be overridden as --section.key=value, "
-                                            "e.g. --train.max_steps=100 --optim.lr=3e-4")
-    parser.add_argument("--recipe", help="recipe YAML (see recipes/)")
-    parser.add_argument("--resume", help="shorthand for --checkpoint.resume: 'auto' or a checkpoint directory")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("--profile", action="store_true", help="shorthand for --logging.profile=true")
-    args, rest = parser.parse_known_args(argv)
-    overrides = []
-    for item in rest:
-        if not item.startswith("--") or "=" not in item:
-            raise ConfigError(f"unrecognized argument {item!r}: overrides look like --section.key=value "
-                              "(e.g. --train.max_steps=100)")
-        overrides.append(item[2:])
-    if args.resume:
-        overrides.append(f"checkpoint.resume={args.resume}")
-    if args.profile:
-        overrides.append("logging.profile=true")
-    return load_config(args.recipe, overrides), args.print_config
-
-
 def run_cli(argv: list[str] | None = None) -> int:
     """train.py's exit codes: 0 done (or halted at train.halt_at_step), 2 a config or input error,
     3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 128 + signal
@@ -367,7 +341,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     speaks = rank == 0 or os.environ.get("LOCAL_RANK") == "0"
     prefix = "" if rank == 0 else f"[rank {rank}] "
     try:
-        cfg, print_only = parse_args(argv)
+        cfg, print_only = parse_train_args(argv)
         if print_only:
             validate(cfg)
             print(to_yaml(cfg), end="")

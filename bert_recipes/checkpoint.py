@@ -92,15 +92,24 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> tuple[Path | N
         if notes:
             notes.append("[resume] no intact checkpoint left: starting from scratch")
         return None, notes
-    path = Path(resume)
-    if not (path / STATE_FILE).exists():
-        raise ConfigError(f"checkpoint.resume={resume}: not a complete checkpoint (no {STATE_FILE}); "
-                          f"use --resume auto or a step_XXXXXXXX directory under <output_dir>/checkpoints")
+    path = check_resume_path(resume)
     problem = damage(path)
     if problem is not None:
         raise ConfigError(f"checkpoint.resume={resume} is damaged: {problem}; pick an earlier checkpoint or "
                           "use --resume auto, which skips damaged ones")
     return path, []
+
+
+def check_resume_path(resume: str | None) -> Path | None:
+    """An explicit checkpoint.resume must be a complete checkpoint (its files are verified later,
+    on rank 0). -> its path (None for no resume or 'auto')."""
+    if resume in (None, "auto"):
+        return None
+    path = Path(resume)
+    if not (path / STATE_FILE).exists():
+        raise ConfigError(f"checkpoint.resume={resume}: not a complete checkpoint (no {STATE_FILE}); "
+                          f"use --resume auto or a step_XXXXXXXX directory under <output_dir>/checkpoints")
+    return path
 
 
 def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config_yaml: str, keep_last: int,
@@ -154,7 +163,9 @@ def config_differences(old_yaml: str, new_yaml: str) -> list[str]:
 
 def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, overwrite: bool) -> list[str]:
     """Never mix two runs in one directory: a new run where checkpoints exist is refused unless
-    run.overwrite; a resume with a changed config is allowed with a note naming the changes."""
+    run.overwrite; a resume with a changed config is allowed with a note naming the changes. The
+    directory must be creatable: not a file, not below a file, on a writable filesystem."""
+    check_writable_dir(output_dir, "run.output_dir")
     found = complete_checkpoints(output_dir)
     if not found:
         return []
@@ -172,6 +183,19 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
     if resume is not None and changes:
         return ["[resume] the config differs from the checkpoint's: " + "; ".join(changes)]
     return []
+
+
+def check_writable_dir(path: Path, key: str) -> None:
+    """`path` is a directory, or can be made one: its nearest existing ancestor is a writable directory."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={path} is a file, not a directory: give a directory path (it is created if missing)")
+    existing = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={path}: {existing} is a file, so the directory cannot be created there; "
+                          "give another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path}: {existing} is not writable by this user; give a writable path")
 
 
 def check_shared_output_dir(output_dir: Path, engine) -> None:

@@ -172,7 +172,7 @@ class OptimConfig:
     """Peak learning rate, reached after warmup."""
     fused: bool = True
     """AdamW's kernel: true: torch's fused kernel (CUDA and CPU); false: the foreach (multi-tensor)
-    one. On the 2-core CPU, fused is 3-8% faster per step (make bench, README "Speed")."""
+    one. On the 2-core CPU, fused is 3-8% faster per step (make bench, docs/speed.md)."""
     cpu_adam: bool = True
     """Under ZeRO offload the optimizer steps on the CPU: DeepSpeed's vectorised CPU Adam, built from
     these settings (the maths stays the recipe's). false: torch's AdamW on the CPU."""
@@ -402,6 +402,32 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         key, raw = item.split("=", 1)
         set_key(cfg, key.lstrip("-"), raw)
     return cfg
+
+
+def parse_train_args(argv: list[str] | None = None) -> tuple[Config, bool]:
+    """train.py's command line (also read by bert_recipes.preflight): --recipe, --resume, --profile,
+    --print-config and --section.key=value overrides. -> (config, print the config and exit?)"""
+    import argparse
+    parser = argparse.ArgumentParser(prog="train.py", description="Pretrain (masked LM) or fine-tune (sequence "
+                                     "classification) BERT with Hugging Face Accelerate.",
+                                     epilog="Any setting can be overridden as --section.key=value, "
+                                            "e.g. --train.max_steps=100 --optim.lr=3e-4")
+    parser.add_argument("--recipe", help="recipe YAML (see recipes/)")
+    parser.add_argument("--resume", help="shorthand for --checkpoint.resume: 'auto' or a checkpoint directory")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--profile", action="store_true", help="shorthand for --logging.profile=true")
+    args, rest = parser.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        if not item.startswith("--") or "=" not in item:
+            raise ConfigError(f"unrecognized argument {item!r}: overrides look like --section.key=value "
+                              "(e.g. --train.max_steps=100)")
+        overrides.append(item[2:])
+    if args.resume:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    if args.profile:
+        overrides.append("logging.profile=true")
+    return load_config(args.recipe, overrides), args.print_config
 
 
 def to_dict(cfg: Config) -> dict:

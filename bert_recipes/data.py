@@ -31,6 +31,20 @@ _FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "j
 
 
 # ---------------------------------------------------------------------------- raw data
+def check_data_files(data: DataConfig) -> dict[str, list[str]]:
+    """data.source=files: every file exists and has bytes. -> {'train': [...], 'validation': [...]}"""
+    files = {"train": list(data.train_files or [])}
+    if data.validation_files:
+        files["validation"] = list(data.validation_files)
+    for key, paths in (("data.train_files", files["train"]), ("data.validation_files", files.get("validation", []))):
+        for f in paths:
+            if not Path(f).is_file():
+                raise ConfigError(f"{key}: data file not found: {f}")
+            if Path(f).stat().st_size == 0:
+                raise ConfigError(f"{key}: {f} is empty; give a file with rows")
+    return files
+
+
 def _builder_for(files: list[str]) -> str:
     kinds = {_FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
     if None in kinds or len(kinds) != 1:
@@ -56,15 +70,7 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
     elif data.source == "hub":
         raw = load_dataset(data.dataset_name, data.dataset_config, cache_dir=data.cache_dir)
     else:
-        files = {"train": list(data.train_files)}
-        if data.validation_files:
-            files["validation"] = list(data.validation_files)
-        for key, paths in (("data.train_files", files["train"]), ("data.validation_files", files.get("validation", []))):
-            for f in paths:
-                if not Path(f).is_file():
-                    raise ConfigError(f"{key}: data file not found: {f}")
-                if Path(f).stat().st_size == 0:
-                    raise ConfigError(f"{key}: {f} is empty; give a file with rows")
+        files = check_data_files(data)
         try:
             raw = load_dataset(_builder_for(sum(files.values(), [])), data_files=files, cache_dir=data.cache_dir)
         except Exception as err:   # pyarrow / pandas parse errors, a header without rows, files that disagree
@@ -586,14 +592,19 @@ def prepared_signature(cfg) -> dict:
                 "validation_split_percentage")}}
 
 
+def check_prepared_dir(data: DataConfig) -> Path:
+    root = Path(data.prepared_dir)
+    if not (root / PREPARED_META).is_file():
+        raise ConfigError(f"data.prepared_dir={root} holds no prepared data ({PREPARED_META} missing): write it with "
+                          "make prepare RECIPE=<this recipe> (tools/prepare.py)")
+    return root
+
+
 def load_prepared(cfg):
     """-> (tokenizer, memory-mapped splits, test_index) from data.prepared_dir, checked against the recipe."""
     from datasets import DatasetDict
     from transformers import AutoTokenizer
-    root = Path(cfg.data.prepared_dir)
-    if not (root / PREPARED_META).is_file():
-        raise ConfigError(f"data.prepared_dir={root} holds no prepared data ({PREPARED_META} missing): write it with "
-                          "make prepare RECIPE=<this recipe> (tools/prepare.py)")
+    root = check_prepared_dir(cfg.data)
     meta = json.loads((root / PREPARED_META).read_text())
     expected = prepared_signature(cfg)
     differ = [f"{k}: prepared {meta['signature'].get(k)!r}, this run {v!r}" for k, v in expected.items()

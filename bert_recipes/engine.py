@@ -20,14 +20,16 @@ output (print0, log). The pipeline engine lives in bert_recipes/pipeline.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
-from .backend import (LaunchPlan, build_accelerator, deepspeed_owned, describe, optimizer_in_effect, rank_checksums,
-                      set_tf32)
+from .backend import (LaunchPlan, build_accelerator, check_nvme_gradient_swap, deepspeed_owned, describe,
+                      optimizer_in_effect, rank_checksums, set_tf32, zero3_keeps_model_dtype)
 from .checkpoint import export_model
 from .config import Config
 from .data import Indexed, LengthGroupedBatches, loader_kwargs
@@ -89,6 +91,11 @@ class AccelerateEngine:
         self.accelerator.log(values, step=step)
 
     def finish(self):
+        if self.accelerator.swap_dirs:   # ZeRO NVMe offload: once every rank is done with its swap files,
+            self.barrier()                  # one rank a node (an NVMe is node-local) clears them
+            if self.is_local_main:
+                for path in self.accelerator.swap_dirs:
+                    shutil.rmtree(path, ignore_errors=True)
         self.accelerator.end_training()
 
     # ------------------------------------------------------------ setup
@@ -114,14 +121,17 @@ class AccelerateEngine:
                                  **{**kwargs, "collate_fn": copy.copy(collate)})   # masks of epoch 0, always
         # The schedule wraps the torch optimizer itself, before prepare: ZeRO keeps that optimizer
         # (and its param_groups) inside its own. A DeepSpeed JSON may own both instead.
+        check_nvme_gradient_swap(self.plan, module, self.num_processes, self.on_gpu)
         optimizer, scheduler, owned = deepspeed_owned(self.accelerator, self.cfg, module, optimizer, scheduler)
         if owned:
             self.print0(owned)
-            self.model, self.optimizer, scheduler, self.train_loader, self.eval_loader = self.accelerator.prepare(
-                module, optimizer, scheduler, train_loader, eval_loader)
-        else:
-            self.model, self.optimizer, self.train_loader, self.eval_loader = self.accelerator.prepare(
-                module, optimizer, train_loader, eval_loader)
+        with zero3_keeps_model_dtype() if self.plan.zero_stage == 3 else contextlib.nullcontext():
+            if owned:
+                self.model, self.optimizer, scheduler, self.train_loader, self.eval_loader = self.accelerator.prepare(
+                    module, optimizer, scheduler, train_loader, eval_loader)
+            else:
+                self.model, self.optimizer, self.train_loader, self.eval_loader = self.accelerator.prepare(
+                    module, optimizer, train_loader, eval_loader)
         self.print0(optimizer_in_effect(self.optimizer))
         expected = len(data["train"]) // t.micro_batch_size // self.num_processes   # config.optimizer_steps' count
         assert len(self.train_loader) == expected, (len(self.train_loader), expected)

@@ -182,14 +182,6 @@ def classification_loss(num_labels: int):
 
 
 # ---------------------------------------------------------------------------- the run
-def pipeline_settings(ds_config: dict) -> tuple[int, str]:
-    pipe = ds_config.get("pipeline", {})
-    stages = pipe.get("stages", 2)
-    if not isinstance(stages, int) or stages < 1:
-        raise ConfigError(f"pipeline.stages must be a positive integer, got {stages!r}")
-    return stages, pipe.get("partition", "parameters")
-
-
 class _ReplicaBatches(BatchSampler):
     """Accelerate's sharding for the pipeline: batch i of the seedable order goes to replica
     i % replicas, so a pipeline run sees exactly the batches of a DDP run with as many ranks.
@@ -218,7 +210,8 @@ class PipelineEngine:
         import deepspeed
         import deepspeed.comm as dist
 
-        from .backend import check_consistency, check_trackers, decide_on_gpu, local_capability, set_tf32
+        from .backend import (check_consistency, check_trackers, decide_on_gpu, local_capability,
+                              pipeline_replicas, set_tf32)
         from .config import grad_accum_steps
         if cfg.model.gradient_checkpointing:
             raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
@@ -241,11 +234,8 @@ class PipelineEngine:
         self.control = control_group(cfg.train.collective_timeout_s)
         self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
         world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.stages, self.partition = pipeline_settings(plan.ds_config)
-        if world % self.stages:
-            raise ConfigError(f"{world} processes cannot form pipelines of {self.stages} stages (pipeline.stages in "
-                              f"{plan.ds_config_path}): the world size must be a multiple of the stage count")
-        self.num_processes, self.replicas = world, world // self.stages
+        self.num_processes, self.replicas = world, pipeline_replicas(plan, world)
+        self.stages, self.partition = world // self.replicas, plan.ds_config["pipeline"].get("partition", "parameters")
         self.accum = grad_accum_steps(cfg.train, self.replicas)
         check_consistency(cfg, plan, self.replicas, self.accum, self.on_gpu, local_capability() if self.on_gpu else None)
         self.is_main = self.rank == 0

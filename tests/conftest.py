@@ -156,12 +156,12 @@ def launch_script(script: str, args: list[str], nproc: int, launcher: str = "acc
 
 
 def launch_watched(overrides: list[str], react, nproc: int = 2, backend: str = "ddp", launcher: str = "accelerate",
-                   env: dict | None = None, timeout: int = 600) -> tuple[int, str, float]:
+                   env: dict | None = None, timeout: int = 600, config: Path | None = None) -> tuple[int, str, float]:
     """Launch train.py and call react(line, proc) on every output line as it comes (to signal or kill
     while it runs). -> (launcher exit code, whole output, seconds from react's first True to the exit)."""
     import time
     args = [f"--{o}" for o in overrides]
-    (cmd,), base_env = launch_commands("train.py", args, nproc, launcher, env, backend)
+    (cmd,), base_env = launch_commands("train.py", args, nproc, launcher, env, backend, config)
     proc = subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, acted_at, deadline = [], None, time.time() + timeout
     for line in proc.stdout:

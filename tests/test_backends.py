@@ -107,31 +107,77 @@ def _libaio_available() -> bool:
     return ctypes.util.find_library("aio") is not None
 
 
-@pytest.mark.skipif(not _libaio_available(), reason="NVMe offload needs libaio (apt-get install libaio-dev; .ci/run does)")
-def test_zero3_nvme_row(runs, ddp_reference, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
-    """ZeRO-3 with parameters and optimizer states swapped to disk (a tmp dir stands in for the
-    NVMe mount): DeepSpeed's swapper engages on that path and the run matches DDP."""
+# NVMe offload swaps a tensor of at least 1 MiB (DeepSpeed's MIN_AIO_BYTES). Hidden 64 x intermediate
+# 16384 gives each rank 2 MiB (fp32) of each MLP matrix, 4 of them over the 2 layers: the parameters
+# swap (and in bf16, DeepSpeed 0.19.8's choice on a CPU without fp16 support, they still would, and the
+# fp32 forward then fails on mixed dtypes). Intermediate 4096 keeps every tensor under 1 MiB a rank,
+# while the optimizer's flat fp32 partitions (2.3 MB a rank) swap. With the optimizer on NVMe, DeepSpeed
+# 0.19.8 also swaps gradient partitions of 1 MiB or more, and on CPU processes its updates then come out
+# wrong: refused (backend.check_nvme_gradient_swap; tests/test_bad_input.py launches that refusal).
+SWAPS_PARAMETERS = {"model.hidden_size": 64, "model.intermediate_size": 16384}
+SWAPS_OPTIMIZER_ONLY = {"model.hidden_size": 64, "model.intermediate_size": 4096}
+MIB = 2 ** 20
+
+
+def nvme_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, model: dict, offload: dict):
+    """DDP, then the zero3-nvme row (its JSON, with `offload` merged in and a tmp dir for the NVMe
+    mount), on the same model. -> (metrics, the files on the "NVMe" at step 4 {path: bytes}, nvme dir)"""
+    from conftest import launch_watched
     repo = Path(__file__).resolve().parents[1]
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
     ds = json.loads((repo / "ds_configs/zero3_nvme.json").read_text())
     for kind in ("offload_optimizer", "offload_param"):
-        ds["zero_optimization"][kind]["nvme_path"] = str(tmp_path / "nvme")
-    (tmp_path / "nvme").mkdir()
+        ds["zero_optimization"][kind].update(nvme_path=str(nvme), **offload.get(kind, {}))
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     yaml_text = (repo / "accelerate_configs/zero3_nvme.yaml").read_text()
     (tmp_path / "acc.yaml").write_text(yaml_text.replace("ds_configs/zero3_nvme.json", str(tmp_path / "ds.json")))
-    out = runs / "zero3-nvme"
-    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer)), backend="zero3-nvme",
-                     config=tmp_path / "acc.yaml", timeout=1200)
+    settings = common(shared_tokenizer, **model, **{"logging.log_every": 1, "train.max_steps": 8,
+                                                    "train.eval_every": 4, "checkpoint.save_every": 4})
+    ddp = launch(2, tiny_args(tmp_path / "ddp", sample_dir, datasets_cache, **settings), backend="ddp")
+    assert ddp["final"]["num_processes"] == 2
+    seen = {}
+
+    def react(line, proc):   # mid-run: what lies on the "NVMe"
+        if "[train] step 4/" in line and not seen:
+            seen.update({str(p.relative_to(nvme)): p.stat().st_size for p in nvme.rglob("*") if p.is_file()})
+            return True
+        return False
+    out = tmp_path / "zero3-nvme"
+    code, log, _ = launch_watched(tiny_args(out, sample_dir, datasets_cache, **settings), react, backend="zero3-nvme",
+                                  config=tmp_path / "acc.yaml", timeout=1200)
+    assert code == 0, log[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
     assert_healthy(metrics, "DistributedType.DEEPSPEED")
     backend = metrics["final"]["backend"]
     assert backend["offload_param"] and backend["offload_optimizer"] and backend["params_sharded"], backend
-    # DeepSpeed's swapper lays out per-rank parameter and optimizer swap areas under nvme_path
-    # (the swap files themselves are removed when the engine closes)
-    swap = tmp_path / "nvme" / "zero_stage_3"
-    assert (swap / "float32params" / "rank0").is_dir() and (swap / "float32params" / "rank1").is_dir(), \
-        sorted(str(p) for p in (tmp_path / "nvme").rglob("*"))
-    assert (swap / "optimizer").is_dir()
-    assert_matches_ddp(out, ddp_reference[0])
+    assert_matches_ddp(out, tmp_path / "ddp")
+    assert not [p for p in nvme.rglob("*") if p.is_file()], "swap files left behind"   # the run clears its own
+    return metrics, seen
+
+
+@pytest.mark.skipif(not _libaio_available(), reason="NVMe offload needs libaio (apt-get install libaio-dev; .ci/run does)")
+def test_zero3_nvme_row(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """The row as shipped (ds_configs/zero3_nvme.json: parameters and optimizer to NVMe, a tmp dir for
+    the mount), fp32: while it trains, the optimizer's fp32 partitions (master weights and both Adam
+    moments, 3 x 4 bytes a parameter) are files on the disk, and the run matches DDP."""
+    metrics, seen = nvme_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, SWAPS_OPTIMIZER_ONLY, {})
+    per_rank = metrics["final"]["backend"]["full_param_numel"] // 2
+    assert sum(seen.values()) >= 2 * 3 * 4 * per_rank * 0.95, seen
+    assert metrics["final"]["backend"]["param_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.skipif(not _libaio_available(), reason="NVMe offload needs libaio (apt-get install libaio-dev; .ci/run does)")
+def test_zero3_nvme_parameters_stay_fp32(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """Parameters on NVMe while training (max_in_cpu=1: none brought back to host memory; the
+    optimizer in host memory, see above), fp32: each rank's 4 MLP partitions are 2 MiB files on the
+    disk (1 MiB if DeepSpeed held them in bf16, as 0.19.8 does on a CPU without fp16 support unless
+    backend.zero3_keeps_model_dtype steps in), DeepSpeed holds them in fp32, and the run matches DDP."""
+    metrics, seen = nvme_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, SWAPS_PARAMETERS, {
+        "offload_param": {"max_in_cpu": 1, "buffer_size": MIB}, "offload_optimizer": {"device": "cpu"}})
+    backend = metrics["final"]["backend"]
+    assert backend["param_dtypes"] == ["torch.float32"] and backend["params_on_nvme"] >= 4, backend
+    assert sorted(seen.values()) == [2 * MIB] * 8, seen
 
 
 def test_fsdp_row(row_run, ddp_reference):

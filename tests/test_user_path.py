@@ -12,7 +12,7 @@ from conftest import REPO
 def _env_of_target(*make_args) -> dict:
     """The environment a Make target's training command really gets: the launcher is replaced by `env`."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
-    out = subprocess.run(["make", "-s", *make_args, "PY=true", "ACCEL=sh -c env --"], cwd=REPO, env=clean,
+    out = subprocess.run(["make", "-s", *make_args, "PY=true", "LAUNCH=sh -c env --"], cwd=REPO, env=clean,
                          capture_output=True, text=True, check=True).stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 

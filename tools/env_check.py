@@ -96,7 +96,7 @@ def render(r: dict) -> str:
     lines.append("== GPUs ==")
     if not r["cuda_available"]:
         lines.append("no GPU: CUDA is not available to torch (CPU-only build or no driver). Training runs on CPU "
-                     "(gloo); see README 'Launching on CPU'.")
+                     "(gloo); see docs/backends.md 'Launching on CPU'.")
     else:
         lines.append(f"CUDA {r['cuda']}, cuDNN {r['cudnn']}, NCCL {r['nccl']}, driver {r['driver']}")
         lines.append(f"CUDA_VISIBLE_DEVICES={r['CUDA_VISIBLE_DEVICES']}")

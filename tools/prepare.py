@@ -7,7 +7,7 @@ data.source=prepared then starts training in seconds instead of tokenizing again
     python tools/prepare.py --make-corpus data/corpus-1g.txt --size 1G   # a generated corpus to measure on
 
 Everything streams through `datasets.map` in batches, written to disk as it goes, so the peak memory
-stays bounded whatever the corpus size (measured in the README: "Preparing a corpus"). The tokenizer
+stays bounded whatever the corpus size (measured in docs/data.md: "Preparing a corpus"). The tokenizer
 (given, or trained on the corpus) is saved beside the data; prepared.json records the settings, which
 a run must match.
 """

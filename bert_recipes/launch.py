@@ -1,0 +1,121 @@
+"""The Make targets' launcher wrapper: `python -m bert_recipes.launch <command ...>`.
+
+When a rank stops on purpose it says why in one line (`config error: ...`, `[diverged] ...`, `a
+collective gave up ...`, `[preempt] ... exiting with code N`) and exits with train.py's code (2, 3,
+4, 128 + signal). torch's elastic launcher, under `accelerate launch` and `torchrun`, then adds its
+own report: a `Sending process ... closing signal` warning, a `failed (exitcode: N)` line, a
+25-line `ChildFailedError` traceback, and exit code 1. This wrapper runs the command, passes its
+output through as it comes, and when the launcher's report follows such a rank line it drops the
+report and exits with the rank's code. Anything else (a crash, a launcher failure of its own) is
+passed through whole, with the launcher's exit code.
+
+Signals: the command runs in a session of its own, and the wrapper forwards SIGINT, SIGTERM,
+SIGHUP, SIGQUIT and SIGUSR1 to it, once each (a terminal's Ctrl-C reaches the wrapper and make,
+not the launcher directly, so the launcher is not signalled twice). The launcher passes them on to
+the ranks (PET_SIGNALS_TO_HANDLE, exported by the Makefile), which save a checkpoint and exit.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+# train.py's own exit codes (train.run_cli): each comes with the rank's one-line reason.
+RANK_CODES = {2, 3, 4} | {128 + int(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP,
+                                                   signal.SIGQUIT)}
+RANK_LINE = re.compile(r"(^|\] )(config error:|\[diverged\]|\[preempt\]|\[rank \d+\] a collective gave up)")
+PREEMPT_CODE = re.compile(r"^\[preempt\] .*exiting with code (\d+)")
+# Where the launcher's report starts: torch.distributed.elastic's log lines about stopping workers,
+# a failed worker, or a signal it received; and what its report says about the first failure.
+REPORT_START = re.compile(r"torch/distributed/elastic/.*\] (Sending process \d+ closing signal|failed \(exitcode: "
+                          r"|Received Signals\.\w+ death signal)")
+ROOT_CAUSE_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
+class Filter:
+    """Reads one of the command's streams and writes it on ours, holding back the launcher's report."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.rank_said = False         # a rank printed its one-line reason
+        self.rank_code = None          # the code a [preempt] line announced
+        self.held: list[tuple] = []    # (stream, line) from the start of the launcher's report
+        self.holding = False
+        self.root_code = None          # exitcode of the report's root cause (its last "exitcode :" line)
+
+    def line(self, text: str, out) -> None:
+        with self.lock:
+            plain = text.rstrip("\r\n")
+            if RANK_LINE.search(plain):
+                self.rank_said = True
+                found = PREEMPT_CODE.search(plain)
+                if found:
+                    self.rank_code = int(found.group(1))
+            if not self.holding and self.rank_said and REPORT_START.search(plain):
+                self.holding = True
+            if self.holding and not RANK_LINE.search(plain):   # a rank's own line always goes through
+                found = ROOT_CAUSE_CODE.search(plain)
+                if found:
+                    self.root_code = int(found.group(1))
+                self.held.append((out, text))
+                return
+            out.write(text)
+            out.flush()
+
+    def pump(self, stream, out) -> None:
+        """Line by line as the bytes come; a carriage return ends a line too, so a progress bar
+        still moves."""
+        import codecs
+        decode, pending = codecs.getincrementaldecoder("utf-8")(errors="replace").decode, ""
+        while chunk := os.read(stream.fileno(), 65536):
+            pending += decode(chunk)
+            *lines, pending = re.split(r"(?<=[\r\n])", pending)
+            for text in lines:
+                self.line(text, out)
+        if pending + decode(b"", final=True):
+            self.line(pending + decode(b"", final=True), out)
+        stream.close()
+
+    def exit_code(self, launcher_code: int) -> int:
+        """The rank's code when the launcher's report only repeats what a rank already said; else the
+        launcher's own, with its report printed."""
+        code = self.rank_code if self.rank_code is not None else self.root_code
+        if self.rank_said and code in RANK_CODES:
+            return code
+        if self.rank_said and launcher_code == 0:
+            return 0
+        for out, text in self.held:
+            out.write(text)
+            out.flush()
+        return launcher_code
+
+
+def run(command: list[str]) -> int:
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    forwarded = set()
+
+    def forward(signum, frame):
+        if signum not in forwarded and proc.poll() is None:
+            forwarded.add(signum)
+            proc.send_signal(signum)
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    filt = Filter()
+    threads = [threading.Thread(target=filt.pump, args=(stream, out), daemon=True)
+               for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    for t in threads:
+        t.start()
+    for t in threads:   # until every writer (the launcher and its ranks) has closed the pipes
+        t.join()
+    return filt.exit_code(proc.wait())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        print("usage: python -m bert_recipes.launch <command ...>", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run(sys.argv[1:]))

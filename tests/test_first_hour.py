@@ -1,0 +1,150 @@
+"""A new user's first hour: `make demo` works twice in a row, and a mistake reached through a Make
+target is one `config error:` line, with no launcher traceback: checked before the launch when a
+plain process can see it (bert_recipes/preflight.py), or said by the rank, after which the wrapper
+(bert_recipes/launch.py) drops the launcher's report and keeps the rank's exit code."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, tiny_args
+
+# The launcher's own lines after a rank has failed (torch.distributed.elastic; seen with torch 2.13).
+LAUNCHER_REPORT = ("ChildFailedError", "Traceback", "elastic/multiprocessing/api.py", "Root Cause")
+
+
+def make(*args, timeout=600, env=None):
+    import os
+    return subprocess.run(["make", "-s", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def one_config_error(proc, expected: str):
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert len(lines) == 1 and expected in lines[0], proc.stderr[-3000:]
+    for marker in LAUNCHER_REPORT:
+        assert marker not in proc.stderr + proc.stdout, (marker, proc.stderr[-3000:])
+
+
+def test_demo_works_twice_in_a_row(tmp_path, sample_dir):
+    """The demo starts over in its own directories (run.overwrite), so a second `make demo` runs the
+    same way as the first (shrunk here to a few steps of a tiny model)."""
+    shrink = " ".join(["--train.max_steps=3", "--train.eval_every=null", "--checkpoint.save_every=null",
+                       "--data.max_train_samples=400", "--data.max_eval_samples=32", "--tokenizer.vocab_size=500",
+                       "--model.hidden_size=32", "--model.intermediate_size=64", "--logging.trackers=[]",
+                       "--logging.plot=false", "--train.global_batch_size=8", "--train.micro_batch_size=4"])
+    runs = tmp_path / "runs"
+    for attempt in (1, 2):
+        proc = make("demo", f"RUNS={runs}", f"SAMPLE={sample_dir}", f"ARGS={shrink}")
+        assert proc.returncode == 0, (attempt, proc.stdout[-3000:], proc.stderr[-3000:])
+        assert "bert-recipes demo summary" in proc.stdout and "eval accuracy" in proc.stdout, proc.stdout[-3000:]
+        for name in ("tiny-mlm", "tiny-classify"):
+            final = json.loads((runs / name / "metrics.json").read_text())["final"]
+            assert final["steps"] == 3 and final["num_processes"] == 2, final
+    # the second demo replaced the first one's checkpoints instead of refusing to start
+    assert "[resume]" not in proc.stdout
+
+
+def test_a_mistake_through_make_is_one_line_before_any_launch(tmp_path):
+    """`make zero2 CPU=1 ARGS=--optim.lr=-1`: refused by the preflight, in the launch's own
+    environment, before `accelerate launch` starts (it never prints its launch lines)."""
+    out = tmp_path / "out"
+    proc = make("zero2", "CPU=1", f"ARGS=--optim.lr=-1 --run.output_dir={out}", timeout=120)
+    assert proc.returncode == 2
+    one_config_error(proc, "optim.lr=-1.0 is not allowed: it must be positive")
+    assert "accelerate launch" not in proc.stdout and not out.exists()
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_the_launch(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file")
+    proc = make("ddp", "CPU=1", f"ARGS=--run.output_dir={blocker}", timeout=120)
+    one_config_error(proc, f"run.output_dir={blocker} is a file, not a directory")
+    assert blocker.read_text() == "a file"
+
+
+def test_a_mistake_only_a_rank_sees_is_one_line_and_keeps_its_code(tmp_path, sample_dir, datasets_cache,
+                                                                   shared_tokenizer):
+    """A ZeRO-3 NVMe run whose gradients DeepSpeed would swap on CPU processes (a 1 MiB partition:
+    backend.check_nvme_gradient_swap) is refused inside the ranks, after the model is built: the
+    rank's line comes once, the launcher's ChildFailedError report is dropped, nothing is written."""
+    ds = json.loads((REPO / "ds_configs/zero3_nvme.json").read_text())
+    (tmp_path / "nvme").mkdir()
+    for kind in ("offload_optimizer", "offload_param"):
+        ds["zero_optimization"][kind]["nvme_path"] = str(tmp_path / "nvme")
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    yaml_text = (REPO / "accelerate_configs/zero3_nvme.yaml").read_text()
+    (tmp_path / "acc.yaml").write_text(yaml_text.replace("ds_configs/zero3_nvme.json", str(tmp_path / "ds.json")))
+    out = tmp_path / "out"
+    args = " ".join(f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "model.intermediate_size": 16384}))
+    proc = make("zero3-nvme", "CPU=1", f"CONFIG={tmp_path / 'acc.yaml'}", f"ARGS={args}",
+                env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 2
+    one_config_error(proc, "DeepSpeed 0.19.8 swaps gradient partitions of 1 MiB or more")
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- the wrapper's rules
+FAKE_LAUNCHER = '''
+import sys
+rank_line, code = sys.argv[1], int(sys.argv[2])
+print("[train] step 1/10 loss 1.0", flush=True)
+if rank_line:
+    print(rank_line, file=sys.stderr, flush=True)
+print("W1130 18:37:20.672000 5338 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1 "
+      "closing signal SIGTERM", file=sys.stderr, flush=True)
+print("E1130 18:37:20.682000 5338 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: "
+      f"{code}) local_rank: 0 (pid: 2) of binary: python", file=sys.stderr)
+print("Traceback (most recent call last):", file=sys.stderr)
+print("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", file=sys.stderr)
+print("Root Cause (first observed failure):", file=sys.stderr)
+print(f"  exitcode  : {code} (pid: 2)", file=sys.stderr)
+sys.exit(1)
+'''
+
+
+@pytest.mark.parametrize("rank_line, code, hidden", [
+    ("config error: train.max_steps: expected int", 2, True),
+    ("[diverged] 3 steps in a row had a non-finite loss", 3, True),
+    ("[rank 1] a collective gave up: Timed out", 4, True),
+    ("[preempt] SIGTERM received: every rank stopped after step 4/10, checkpoint saved; exiting with code 143", 143,
+     True),
+    ("", 1, False),                                   # a crash: the launcher's report is the only clue
+    ("config error: x", 1, False),                    # a code train.py never uses: kept whole
+])
+def test_the_wrapper_drops_the_launchers_report_only_after_a_ranks_own_line(rank_line, code, hidden, tmp_path):
+    script = tmp_path / "fake_launcher.py"
+    script.write_text(textwrap.dedent(FAKE_LAUNCHER))
+    proc = subprocess.run([sys.executable, "-m", "bert_recipes.launch", sys.executable, str(script), rank_line, str(code)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "[train] step 1/10" in proc.stdout
+    if rank_line:
+        assert proc.stderr.count(rank_line) == 1
+    if hidden:
+        assert proc.returncode == code
+        assert not any(marker in proc.stderr for marker in LAUNCHER_REPORT), proc.stderr
+    else:
+        assert proc.returncode == 1 and "ChildFailedError" in proc.stderr and "Root Cause" in proc.stderr
+
+
+def test_the_wrapper_passes_a_clean_run_and_its_code_through(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bert_recipes.launch", sys.executable, "-c",
+                           "import sys; print('out'); print('err', file=sys.stderr); sys.exit(0)"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "out\n", "err\n")
+
+
+def test_the_makefile_launches_through_the_preflight_and_the_wrapper():
+    """Every training target checks first and launches through the wrapper (make -n prints the commands)."""
+    for target in ("zero2", "ddp", "pipeline", "demo"):
+        lines = make("-n", target, "CPU=1").stdout.replace("\\\n", " ").splitlines()
+        checks = [line for line in lines if "bert_recipes.preflight" in line]
+        launches = [line for line in lines if " launch " in line and "train.py" in line]
+        assert checks and launches and all("-m bert_recipes.launch " in line for line in launches), lines
+    assert Path(REPO / "bert_recipes/launch.py").exists()
