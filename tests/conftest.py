@@ -31,17 +31,13 @@ def sample_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_tokenizer(sample_dir, tmp_path_factory) -> Path:
-    """One trained WordPiece tokenizer (vocab 1000) for runs that must be compared with each
-    other: the tokenizers library's trainer breaks ties in hash order, so two trainings on the
-    same text can differ."""
-    from bert_recipes.config import Config
-    from bert_recipes.data import load_raw, texts, train_wordpiece
-    cfg = Config()
-    cfg.data.sample_dir, cfg.data.max_train_samples = str(sample_dir), 1200
-    out = tmp_path_factory.mktemp("tokenizer")
-    train_wordpiece(texts(load_raw(cfg.data, cfg.task, seed=0)["train"], cfg.data), 1000, True).save_pretrained(out)
-    return out
+def shared_tokenizer() -> Path:
+    """One WordPiece tokenizer (vocab 1000) for runs that must be compared with each other, committed
+    under tests/data/: the tokenizers library's trainer breaks ties in hash order, so two trainings on
+    the same text differ (and the sample's text depends on the host's Python), which would re-draw every
+    learning margin in the suite each session. Made once from the sample's first 1,200 lines with
+    bert_recipes.data.train_wordpiece(..., 1000, lowercase=True)."""
+    return REPO / "tests" / "data" / "wordpiece-1000"
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +65,21 @@ def tiny_args(out_dir: Path, sample_dir: Path, cache: Path, task: str = "mlm", *
                      "optim.lr": 2e-3})
     args.update(extra)
     return [f"{k}={v}" for k, v in args.items()]
+
+
+def write_pairs(path: Path, n: int, seed: int) -> Path:
+    """A sentence-pair task one word decides ("fresh" 1, "rotten" 0), as jsonl with columns a, b, label
+    (and a regression score): learnt in a few dozen steps by any tiny BERT."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        label = int(torch.randint(2, (1,), generator=g))
+        word = ["apple", "orange", "pear"][int(torch.randint(3, (1,), generator=g))]
+        rows.append({"a": f"the {word} is {'fresh' if label else 'rotten'}", "b": f"about the {word}",
+                     "label": label, "score": 4.0 * label + 0.5})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:

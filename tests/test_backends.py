@@ -216,7 +216,7 @@ def test_pipeline_row(row_run, ddp_reference):
 
 def test_pipeline_classification_and_data_parallel(runs, ddp_reference, tmp_path, sample_dir, datasets_cache):
     """Classification through the pipeline, 2 stages x 2 data-parallel replicas = 4 processes,
-    starting from the DDP export; its export then fine-tunes under DDP."""
+    starting from the DDP export; its export is an ordinary BertForSequenceClassification."""
     export = runs / "ddp/model"
     metrics = launch(4, tiny_args(tmp_path / "pipe_cls", sample_dir, datasets_cache, task="classification", **{
         "model.name_or_path": export, "train.max_steps": 8, "train.global_batch_size": 16,
@@ -226,12 +226,12 @@ def test_pipeline_classification_and_data_parallel(runs, ddp_reference, tmp_path
     assert sorted(r["stage_id"] for r in backend["ranks"]) == [0, 0, 1, 1]
     assert metrics["final"]["eval_samples"] == metrics["final"]["eval_dataset_size"]
     assert metrics["final"]["last_train_loss"] < metrics["final"]["first_train_loss"]
-    again = launch(2, tiny_args(tmp_path / "ddp_cls", sample_dir, datasets_cache, task="classification", **{
-        "model.name_or_path": tmp_path / "pipe_cls/model", "train.max_steps": 4}), backend="ddp")
-    assert again["final"]["num_processes"] == 2
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "pipe_cls/model")
+    assert type(model).__name__ == "BertForSequenceClassification" and model.classifier.out_features == 8
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp", "pipeline"])
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])   # the pipeline's: test_pipeline_resume_with_dropout_is_exact
 def test_sharded_resume_equals_uninterrupted(name, row_run, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """Halt at step 8 (after its checkpoint), resume from the sharded checkpoint, finish at 16:
     the weights equal the uninterrupted run of the same row (tolerance 1e-6)."""
@@ -251,20 +251,18 @@ def test_sharded_resume_equals_uninterrupted(name, row_run, tmp_path, sample_dir
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_sharded_export_fine_tunes_under_ddp(name, row_run, runs, ddp_reference, tmp_path, sample_dir,
-                                             datasets_cache):
-    """The export holds full weights: plain from_pretrained loads it, and a DDP run fine-tunes it."""
+def test_sharded_export_holds_full_weights(name, row_run, runs, ddp_reference):
+    """The export holds full weights: plain from_pretrained loads it, every tensor has its full shape
+    (the row's test compares each with DDP's within 1e-5), and it is an ordinary BertForMaskedLM that a
+    fine-tuning run starts from like any other (tests/test_train.py fine-tunes such exports)."""
     from transformers import AutoModelForMaskedLM
     export = row_run(name)[0] / "model"
     model = AutoModelForMaskedLM.from_pretrained(export)
     reference = AutoModelForMaskedLM.from_pretrained(runs / "ddp/model")
+    assert type(model).__name__ == "BertForMaskedLM"
     assert model.state_dict().keys() == reference.state_dict().keys()
     for k, v in model.state_dict().items():   # full tensors, not shards
         assert v.shape == reference.state_dict()[k].shape, k
-    metrics = launch(2, tiny_args(tmp_path / "cls", sample_dir, datasets_cache, task="classification",
-                                  **{"model.name_or_path": export, "train.max_steps": 8}), backend="ddp")
-    assert metrics["final"]["num_processes"] == 2
-    assert metrics["final"]["last_train_loss"] < metrics["final"]["first_train_loss"]
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero2"])

@@ -60,10 +60,18 @@ def test_fast_data_loader_stays_quiet_and_mfu_is_reported(tmp_path, sample_dir, 
                                                          capsys):
     """The normal in-process collation against a model whose step is not trivially short: with
     the 32-wide test BERT (~30 ms steps) collation alone is ~20% of a step, a true verdict, so
-    this uses hidden 256 and sequence 64 (still seconds)."""
-    _, history, out = _run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys, **{
-        "model.hidden_size": 256, "model.intermediate_size": 1024, "model.num_attention_heads": 4,
-        "data.max_seq_length": 64, "model.max_position_embeddings": 64})
+    this uses hidden 256 and sequence 64 (still seconds). One thread: the collation is single-threaded
+    Python, so the model's step must not shrink with the host's core count (a many-core host would
+    shrink the step and not the collation, and the share would rise)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, history, out = _run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys, **{
+            "model.hidden_size": 256, "model.intermediate_size": 1024, "model.num_attention_heads": 4,
+            "data.max_seq_length": 64, "model.max_position_embeddings": 64})
+    finally:
+        torch.set_num_threads(threads)
     assert "starving" not in out
     assert all(r["data_wait_share"] < 0.2 for r in history), [r["data_wait_share"] for r in history]
     assert all(0 < r["mfu"] < 1 for r in history), [r["mfu"] for r in history]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from bert_recipes.checkpoint import complete_checkpoints, resolve_resume
 from conftest import REPO, launch, launch_watched, tiny_args, worker_pids
 
-STEPS = 60
+STEPS = 32
 NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
 
 
@@ -69,25 +69,28 @@ def resume_and_compare(args, backend, launcher, expected, out):
 
 
 # ----------------------------------------------------------------------------- preemption
-@pytest.mark.parametrize("backend, launcher, sig", [
-    ("ddp", "accelerate", signal.SIGTERM),
-    ("ddp", "torchrun", signal.SIGTERM),
-    ("zero2", "accelerate", signal.SIGTERM),
-    ("pipeline", "accelerate", signal.SIGTERM),
-    ("ddp", "accelerate", signal.SIGUSR1),
+@pytest.mark.parametrize("backend, launcher, sig, resume", [
+    ("ddp", "accelerate", signal.SIGTERM, True),
+    ("ddp", "torchrun", signal.SIGTERM, False),    # another launcher's forwarding; the resume is the one above
+    ("zero2", "accelerate", signal.SIGTERM, True),
+    ("pipeline", "accelerate", signal.SIGTERM, True),
+    ("ddp", "accelerate", signal.SIGUSR1, False),  # another signal; the resume is the same as SIGTERM's
 ])
-def test_signal_to_the_launcher_saves_the_step_reached_and_resume_is_exact(backend, launcher, sig, reference, tmp_path,
-                                                                          sample_dir, datasets_cache, shared_tokenizer):
+def test_signal_to_the_launcher_saves_the_step_reached_and_resume_is_exact(backend, launcher, sig, resume, reference,
+                                                                          tmp_path, sample_dir, datasets_cache,
+                                                                          shared_tokenizer):
     """The launcher forwards the signal to every rank; they agree on one step, save it, and exit
-    128 + signal; the resumed run ends with the uninterrupted run's weights. (SIGUSR1: the launcher
-    must be told to forward it, PET_SIGNALS_TO_HANDLE, as the Makefile and slurm/ scripts do.)"""
+    128 + signal; the resumed run ends with the uninterrupted run's weights (once per engine). (SIGUSR1:
+    the launcher must be told to forward it, PET_SIGNALS_TO_HANDLE, as the Makefile and slurm/ scripts do.)"""
     out = tmp_path / "run"
     args = tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer))
     env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
     code, log, seconds = launch_watched(args, at_step(10, lambda proc: proc.send_signal(sig)), backend=backend,
                                         launcher=launcher, env=env)
     name, exit_code = sig.name, 128 + int(sig)
-    assert code != 0 and seconds < 20, (code, seconds, log[-3000:])
+    # The ranks stop on their own: the launcher never had to SIGKILL them after its 30 s grace period
+    # (a bound on the seconds would only measure how loaded the host is).
+    assert code != 0 and "forcefully exiting via" not in log, (code, seconds, log[-3000:])
     assert log.count(f"[preempt] {name} received") == 1, log[-3000:]
     step = int(re.search(r"every rank stopped after step (\d+)/", log).group(1))
     assert 10 <= step < STEPS
@@ -95,8 +98,9 @@ def test_signal_to_the_launcher_saves_the_step_reached_and_resume_is_exact(backe
     halted = json.loads((out / "metrics.json").read_text())["final"]
     assert halted == {"steps": step, "halted": True, "preempted": name, "exit_code": exit_code}
     assert complete_checkpoints(out)[-1].name == f"step_{step:08d}"
-    log = resume_and_compare(args, backend, launcher, reference(backend), out)
-    assert f"[resume] from {out}/checkpoints/step_{step:08d} at step {step}" in log
+    if resume:
+        log = resume_and_compare(args, backend, launcher, reference(backend), out)
+        assert f"[resume] from {out}/checkpoints/step_{step:08d} at step {step}" in log
 
 
 def test_sigterm_exit_code_of_a_single_process(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
@@ -132,10 +136,12 @@ def test_sigterm_exit_code_of_a_single_process(tmp_path, sample_dir, datasets_ca
 def test_kill_9_of_a_rank_stops_the_job_and_resume_is_exact(backend, reference, tmp_path, sample_dir, datasets_cache,
                                                             shared_tokenizer):
     out = tmp_path / "run"
-    args = tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer))
+    # The job must end because a rank died, not because a collective gave up waiting for it: with the
+    # timeout at 120 s, an end within 60 s (about 6 s measured on 2 loaded cores) can only be the former.
+    args = tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, **{"train.collective_timeout_s": 120}))
     code, log, seconds = launch_watched(args, at_step(10, lambda proc: os.kill(worker_pids(proc)[1], signal.SIGKILL)),
                                         backend=backend)
-    assert code != 0 and seconds < 10, (code, seconds)
+    assert code != 0 and seconds < 60, (code, seconds)
     saved = complete_checkpoints(out)[-1]
     assert 8 <= int(saved.name.split("_")[1]) < STEPS
     log = resume_and_compare(args, backend, "accelerate", reference(backend), out)
@@ -158,7 +164,7 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(reference, tmp_p
             while not partial.exists() and time.time() < deadline and proc.poll() is None:
                 time.sleep(0.0005)
             os.kill(pids[1], signal.SIGKILL)
-            seen["complete"] = (out / "checkpoints/step_00000012/train_state.json").exists()
+            seen["killed"] = True
 
         def react(line, proc):
             if "[train] step 9/" in line:
@@ -167,7 +173,9 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(reference, tmp_p
             return False
         code, _, _ = launch_watched(args, react)
         assert code != 0
-        if not seen.get("complete", True):
+        # decided once the job is over: a kill that landed after the save's last barrier lets rank 0
+        # publish step 12 after all
+        if seen.get("killed") and not (out / "checkpoints/step_00000012/train_state.json").exists():
             break
     else:
         pytest.fail("the kill never landed inside the save")
@@ -179,15 +187,18 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(reference, tmp_p
 def test_a_stuck_rank_ends_the_run_within_the_collective_timeout(tmp_path, sample_dir, datasets_cache,
                                                                  shared_tokenizer):
     """SIGSTOP freezes rank 1 (alive, not dead: the launcher cannot tell). Rank 0 gives up after
-    train.collective_timeout_s=5 with a message naming it; the launcher then reaps the frozen rank
-    (torch's agent allows a stopping rank 30 s before SIGKILL)."""
+    train.collective_timeout_s=5 with a message naming it and exits. The launcher would give the frozen
+    rank 30 s (its shutdown grace, which `accelerate launch` does not let us shorten) before SIGKILL;
+    the test kills it as soon as rank 0 has spoken. The bound only separates "the 5 s setting took
+    effect" from "the 600 s default": about 5 s was measured on 2 loaded cores."""
     out = tmp_path / "run"
     args = tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, **{"train.collective_timeout_s": 5}))
     stopped, message_at = {}, {}
 
     def react(line, proc):
-        if "a collective gave up" in line and "t" in stopped:
+        if "a collective gave up" in line and "t" in stopped and "t" not in message_at:
             message_at["t"] = time.time() - stopped["t"]
+            os.kill(stopped["pid"], signal.SIGKILL)
         if "[train] step 10/" in line and "t" not in stopped:
             stopped["pid"] = worker_pids(proc)[1]
             os.kill(stopped["pid"], signal.SIGSTOP)
@@ -202,9 +213,8 @@ def test_a_stuck_rank_ends_the_run_within_the_collective_timeout(tmp_path, sampl
         except (KeyError, ProcessLookupError):
             pass
     assert code != 0
-    assert 4 < message_at["t"] < 5 + 10, message_at
+    assert 4 < message_at["t"] < 60, message_at
     assert "train.collective_timeout_s=5" in log and "Timed out" in log
-    assert seconds < 5 + 30 + 20, seconds
 
 
 # ----------------------------------------------------------------------------- non-finite steps

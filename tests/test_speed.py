@@ -225,6 +225,8 @@ def _config_with(tmp_path, name: str, ds: dict):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_deepspeed_json_that_owns_optimizer_and_schedule_trains_with_the_recipes_values(
         stage, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """Accelerate's template JSON (optimizer and schedule blocks) in bf16: the recipe's values fill them,
+    and the export holds the fp32 master weights (below)."""
     ds = json.loads(json.dumps(TEMPLATE))
     ds["zero_optimization"]["stage"] = stage
     config = _config_with(tmp_path, f"zero{stage}", ds)
@@ -242,6 +244,31 @@ def test_a_deepspeed_json_that_owns_optimizer_and_schedule_trains_with_the_recip
     assert "its warmup is log-shaped" in log
     # the logged lr is the one the step used: the last of 16 steps decays to 1/14 of the peak
     assert rows[-1]["lr"] == pytest.approx(0.003 / 14) and max(r["lr"] for r in rows) <= 0.003 + 1e-12
+    assert_export_holds_fp32_masters(out, f"zero{stage}", steps=16)
+
+
+def assert_export_holds_fp32_masters(out, backend: str, steps: int):
+    """Under DeepSpeed in bf16 the model's parameters are bf16 copies; the export holds the fp32
+    master weights: equal, to the bit, to what DeepSpeed's own zero_to_fp32 reads back from the final
+    checkpoint, and not merely bf16 values widened. It carries a model card."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from bert_recipes.checkpoint import complete_checkpoints
+    exported = load_file(out / "model/model.safetensors")
+    assert {v.dtype for v in exported.values()} == {torch.float32}
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(complete_checkpoints(out)[-1]))
+    compared = [k for k in exported if k in masters]
+    assert len(compared) >= len(exported) - 1, (sorted(exported), sorted(masters))
+    for k in compared:
+        torch.testing.assert_close(exported[k], masters[k].float(), atol=0, rtol=0, msg=k)
+    assert any((v != v.bfloat16().float()).any() for v in exported.values()), "only bf16 values, widened"
+    card = (out / "model/README.md").read_text()
+    for expected in ["masked-language-model pretraining", "none: trained from scratch", f"{steps} optimizer steps of 16",
+                     f"{backend} on 2 processes", "bf16 (the weights here are fp32)", "| eval_loss |"]:
+        assert expected in card, (expected, card)
+    tokens = int(card.split("| tokens seen | ")[1].split(" ")[0].replace(",", ""))
+    assert tokens == steps * 16 * 32   # steps x 16 packed sequences x 32 tokens, no padding
 
 
 def test_a_pinned_value_that_contradicts_the_recipe_is_named(tmp_path):

@@ -90,7 +90,9 @@ def test_scaling_table_and_chart_on_cpu(tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and "| 1.00x | 100% |" in rows[0]
     efficiency = float(rows[1].split("|")[5].strip().rstrip("%"))
-    assert 10 < efficiency < 200, rows
+    # 2 processes on 2 cores give 60-100%; each figure comes from 3 steps of ~30 ms, so a stall of the
+    # shared host moves it by 2x or more: the bounds only catch a wrong formula (e.g. a ratio inverted)
+    assert 5 < efficiency < 400, rows
     assert (tmp_path / "ddp/scaling.png").stat().st_size > 10_000
 
 

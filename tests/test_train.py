@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from bert_recipes.checkpoint import complete_checkpoints, resolve_resume
 from bert_recipes.config import ConfigError
-from conftest import run_in_process, tiny_args
+from conftest import run_in_process, tiny_args, write_pairs
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +67,9 @@ def test_classification_fine_tunes_from_the_exported_mlm(mlm_run, tmp_path, samp
     assert 0 < metrics["majority_baseline_accuracy"] < 1
 
 
-def _pairs(path, n, seed):
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        label = int(torch.randint(2, (1,), generator=g))
-        word = ["apple", "orange", "pear"][int(torch.randint(3, (1,), generator=g))]
-        rows.append({"a": f"the {word} is {'fresh' if label else 'rotten'}", "b": f"about the {word}",
-                     "label": label, "score": 4.0 * label + 0.5})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_sentence_pair_classification_learns_a_simple_task(tmp_path, mlm_run, datasets_cache, sample_dir):
     out, _ = mlm_run
-    train, val = _pairs(tmp_path / "train.jsonl", 256, 0), _pairs(tmp_path / "val.jsonl", 64, 1)
+    train, val = write_pairs(tmp_path / "train.jsonl", 256, 0), write_pairs(tmp_path / "val.jsonl", 64, 1)
     metrics = run_in_process(tiny_args(tmp_path / "pairs", sample_dir, datasets_cache, task="classification", **{
         "model.name_or_path": out / "model", "task.num_labels": 2, "data.source": "files",
         "data.train_files": f"[{train}]", "data.validation_files": f"[{val}]", "data.text_column": "a",
@@ -91,7 +79,7 @@ def test_sentence_pair_classification_learns_a_simple_task(tmp_path, mlm_run, da
 
 def test_regression_reports_correlations(tmp_path, mlm_run, datasets_cache, sample_dir):
     out, _ = mlm_run
-    train, val = _pairs(tmp_path / "train.jsonl", 256, 0), _pairs(tmp_path / "val.jsonl", 64, 1)
+    train, val = write_pairs(tmp_path / "train.jsonl", 256, 0), write_pairs(tmp_path / "val.jsonl", 64, 1)
     metrics = run_in_process(tiny_args(tmp_path / "sts", sample_dir, datasets_cache, task="classification", **{
         "model.name_or_path": out / "model", "task.num_labels": 1, "data.source": "files",
         "data.train_files": f"[{train}]", "data.validation_files": f"[{val}]", "data.text_column": "a",

@@ -104,67 +104,29 @@ def test_a_checkpoint_without_an_encoder_is_refused(layouts, tmp_path):
         _build(tmp_path / "renamed", "mlm")
 
 
-def test_fine_tuning_from_a_bert_for_pretraining_checkpoint_under_ddp(tmp_path, sample_dir, datasets_cache):
-    """Pretrain a tiny BERT, save it in BertForPreTraining's layout (MLM + NSP heads, as
-    bert-base-uncased ships), then fine-tune that under 2-process DDP on the sample task (8 areas of
-    the standard library, validation modules unseen in training): it beats the majority baseline.
-    (Sequences of 128 tokens, 10 epochs: the docstrings need them. This tiny model reaches 0.30-0.36
-    against a baseline of 0.29, measured over seeds; the demo's larger one reaches 0.58. The pretraining
-    seed is 2: with the default seed and packed dropout masks (model.dropout_impl) it reached 0.303,
-    inside that spread but under the margin; with torch's masks or seed 2 it passes.)"""
-    from transformers import BertForPreTraining
-    size = {"model.hidden_size": 64, "model.intermediate_size": 256, "data.max_seq_length": 128,
-            "model.max_position_embeddings": 128, "data.max_train_samples": "null"}
-    run_in_process(tiny_args(tmp_path / "mlm", sample_dir, datasets_cache, **{
-        **size, "tokenizer.vocab_size": 8000, "train.max_steps": 300, "optim.warmup_steps": 30,
-        "train.global_batch_size": 32, "train.micro_batch_size": 32, "run.seed": 2}))
-    BertForPreTraining.from_pretrained(tmp_path / "mlm/model").save_pretrained(tmp_path / "pretraining")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "pretraining" / name).write_bytes((tmp_path / "mlm/model" / name).read_bytes())
+def test_fine_tuning_from_a_bert_for_pretraining_checkpoint_under_ddp(layouts, tmp_path, sample_dir, datasets_cache):
+    """A checkpoint in BertForPreTraining's layout (MLM + NSP heads and a pooler, as bert-base-uncased
+    ships) fine-tunes under 2-process DDP: the heads this task has no use for are named as unused, and
+    a sentence-pair task that one word decides is learnt (64 validation pairs, about half of each
+    label: accuracy 0.9 is over 5 standard deviations above chance, so the bar does not depend on the
+    host or the seed; learning the sample task itself is the demo's and `make bench`'s job)."""
+    from conftest import write_pairs
+    train, val = write_pairs(tmp_path / "train.jsonl", 256, 0), write_pairs(tmp_path / "val.jsonl", 64, 1)
     metrics = launch(2, tiny_args(tmp_path / "cls", sample_dir, datasets_cache, task="classification", **{
-        **size, "model.name_or_path": tmp_path / "pretraining", "train.max_steps": 640, "optim.lr": 1e-3,
-        "optim.warmup_steps": 64, "train.global_batch_size": 32, "data.max_eval_samples": "null",
-        "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}))
+        "model.name_or_path": layouts / "BertForPreTraining", "task.num_labels": 2, "data.source": "files",
+        "data.train_files": f"[{train}]", "data.validation_files": f"[{val}]", "data.text_column": "a",
+        "data.text_pair_column": "b", "data.max_eval_samples": "null", "train.max_steps": 40}))
     final = metrics["final"]
     assert final["num_processes"] == 2 and final["distributed_type"] == "DistributedType.MULTI_CPU"
-    assert final["eval_samples"] == final["eval_dataset_size"] > 500
-    assert final["accuracy"] > final["majority_baseline_accuracy"] + 0.02, final
+    assert final["eval_samples"] == final["eval_dataset_size"] == 64
+    assert final["accuracy"] >= 0.9, final
     log = (tmp_path / "cls.log").read_text()
     assert "unused from the checkpoint (heads this task does not have): cls.predictions.*, cls.seq_relationship.*" \
         in log
 
 
 # ----------------------------------------------------------------------------- exports you can ship
-@pytest.mark.parametrize("backend", ["zero2", "zero3"])
-def test_a_deepspeed_bf16_export_holds_the_fp32_master_weights(backend, tmp_path, sample_dir, datasets_cache,
-                                                               shared_tokenizer):
-    """Under DeepSpeed in bf16 the model's parameters are bf16 copies; the export holds the fp32
-    master weights: equal, to the bit, to what DeepSpeed's own zero_to_fp32 reads back from the final
-    checkpoint, and not merely bf16 values widened. It carries a model card."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from safetensors.torch import load_file
-
-    from bert_recipes.checkpoint import complete_checkpoints
-    out = tmp_path / "run"
-    metrics = launch(2, tiny_args(out, sample_dir, datasets_cache, **{
-        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "train.mixed_precision": "bf16"}),
-        backend=backend)
-    final = metrics["final"]
-    assert final["num_processes"] == 2 and final["backend"]["name"] == backend
-    exported = load_file(out / "model/model.safetensors")
-    assert {v.dtype for v in exported.values()} == {torch.float32}
-    masters = get_fp32_state_dict_from_zero_checkpoint(str(complete_checkpoints(out)[-1]))
-    compared = [k for k in exported if k in masters]
-    assert len(compared) >= len(exported) - 1, (sorted(exported), sorted(masters))
-    for k in compared:
-        torch.testing.assert_close(exported[k], masters[k].float(), atol=0, rtol=0, msg=k)
-    assert any((v != v.bfloat16().float()).any() for v in exported.values()), "only bf16 values, widened"
-    card = (out / "model/README.md").read_text()
-    for expected in ["masked-language-model pretraining", "none: trained from scratch", "8 optimizer steps of 16",
-                     f"{backend} on 2 processes", "bf16 (the weights here are fp32)", "| eval_loss |"]:
-        assert expected in card, (expected, card)
-    tokens = int(card.split("| tokens seen | ")[1].split(" ")[0].replace(",", ""))
-    assert tokens == 8 * 16 * 32   # 8 steps x 16 packed sequences x 32 tokens, no padding
+# (a DeepSpeed bf16 export holds the fp32 master weights: tests/test_speed.py, with the DeepSpeed JSON rows)
 
 
 # ----------------------------------------------------------------------------- GLUE
