@@ -128,7 +128,7 @@ prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped 
 glue: setup  ## the nine GLUE tasks for MODEL (Hub name or dir; default bert-base-uncased): glue_results.md + submission/ (CONFIG=, CPU=1, ARGS="-- --train.epochs=1")
 	$(PY) tools/glue.py --model $(or $(MODEL),bert-base-uncased) $(if $(CONFIG),--config $(CONFIG)) $(if $(CPU),--cpu) $(ARGS)
 
-gpu-smoke: setup  ## one GPU, <10 min: every row that fits it x fp32/bf16/fp16, eval + checkpoint + resume + export; table (ARGS="--out gpu_smoke.md")
+gpu-smoke: setup  ## one GPU, ~10 min: DDP x fp32/bf16/fp16, ZeRO-2/3, offload, FSDP2 in bf16: eval, checkpoint, resume, export (ARGS="--matrix full")
 	$(PY) tools/gpu_smoke.py $(ARGS)
 
 gpu-check: setup  ## every backend row for a few steps on the GPUs present: steps/s, peak memory, loss (ARGS="--rows ddp,zero2")

@@ -12,7 +12,7 @@ Reads top to bottom: config -> engine -> data -> model -> optimizer -> prepare -
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import signal
 import sys
@@ -31,17 +31,19 @@ from bert_recipes.checkpoint import (check_shared_output_dir, model_card, read_t
 from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
                                  schedule_warnings, to_yaml, validate)
 from bert_recipes.data import on_rank0, prepare_data
+from bert_recipes.dropout import packed_dropout_here
 from bert_recipes.engine import build_engine
-from bert_recipes.guard import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard, all_max,
-                                is_collective_timeout, preempted_exit_code)
+from bert_recipes.guard import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
+                                StopAgreement, all_max, is_collective_timeout, preempted_exit_code)
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
-from bert_recipes.perf import DataLoaderWatch, flops_per_token, peak_flops, profile_table, start_profiler
-from bert_recipes.preflight import preflight
+from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table,
+                               start_profiler)
+from bert_recipes.preflight import preflight, same_on_every_rank
 
 
 # ----------------------------------------------------------------------------- main
@@ -69,6 +71,7 @@ class Run:
     preemption: Preemption = field(default_factory=Preemption)
     stop_signal: int = 0           # the signal every rank agreed to stop on (0: none)
     guard: StepGuard | None = None
+    audit: SyncAudit | None = None   # logging.sync_audit
 
 
 def main(cfg: Config) -> dict:
@@ -80,6 +83,7 @@ def main(cfg: Config) -> dict:
     # check is checked first (the Make targets ran the same checks before launching): nothing is
     # written to output_dir until every check has passed, just before the loop.
     plan = read_launch_plan()
+    auto_micro_batch = cfg.train.micro_batch_size == "auto"
     notes = preflight(cfg, plan, int(os.environ.get("WORLD_SIZE", "1")))
     output_dir = Path(cfg.run.output_dir)
     config_yaml = to_yaml(cfg)
@@ -87,6 +91,8 @@ def main(cfg: Config) -> dict:
     # -------------------------------------------------------------------- engine
     # Building the engine starts the process group and compares the recipe with the plan.
     engine = build_engine(cfg, plan, output_dir)
+    if auto_micro_batch:   # each rank sized it from its own GPU
+        same_on_every_rank(cfg.train.micro_batch_size, engine.control, "train.micro_batch_size")
     print0 = engine.print0
     set_seed(cfg.run.seed)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
@@ -111,7 +117,8 @@ def main(cfg: Config) -> dict:
            f"tokens, vocab {len(tokenizer)}")
 
     # -------------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(cfg.model, cfg.task, tokenizer)
+    model = build_model(cfg.model, cfg.task, tokenizer,
+                        packed_dropout=packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile, engine.device.type))
     model_config = model.config
     print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
     if getattr(model, "loading_report", None):
@@ -170,7 +177,9 @@ def main(cfg: Config) -> dict:
 def train(run: Run) -> None:
     """Optimizer steps until run.stop_at, the same for every engine: each step takes exactly
     `accum` micro batches of this rank; an epoch is steps_per_epoch steps, and a resumed epoch
-    skips the micro batches its finished steps took."""
+    skips the micro batches its finished steps took. Between log steps nothing here reads the
+    device: losses, counts and the skip decisions stay tensors, and the stop agreement runs in the
+    background (logging.sync_audit counts what still waits; tests/test_speed.py asserts none)."""
     from tqdm.auto import tqdm
     cfg, engine, state = run.cfg, run.engine, run.state
     meter = Throughput(engine.counts_data)
@@ -178,7 +187,9 @@ def train(run: Run) -> None:
     profiler = start_profiler(run.output_dir) if cfg.logging.profile else None
     bar = tqdm(total=run.total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
                disable=not (engine.is_local_main and cfg.logging.progress_bar))
-    guard = run.guard = StepGuard(cfg.train.max_bad_steps, state.get("skipped_steps", 0))
+    run.guard = StepGuard(cfg.train.max_bad_steps, state.get("skipped_steps", 0))
+    agreement = StopAgreement(engine.control)
+    audit = run.audit = SyncAudit() if cfg.logging.sync_audit else None
     if engine.on_gpu:   # peak memory of training, not of loading and preparing
         torch.cuda.reset_peak_memory_stats()
     while state["step"] < run.stop_at and not run.stop_signal:
@@ -186,24 +197,19 @@ def train(run: Run) -> None:
         run.collate.epoch = epoch   # MLM masks are a function of (seed, epoch, example)
         batches = meter.feed(engine.batches(epoch, skip=done * engine.accum))
         for _ in range(run.steps_per_epoch - done):
-            loss, grad_norm, applied = engine.train_step(batches)
+            with audit or contextlib.nullcontext():
+                loss, grad_norm, skipped, overflow = engine.train_step(batches)
+                run.guard.add(state["step"] + 1, loss, grad_norm, skipped, overflow)
+                meter.add_step(loss)
+                # a stop signal any rank got, agreed one or two steps later without waiting (guard.StopAgreement)
+                run.stop_signal = agreement.after_step(run.preemption.received)
             state["step"] += 1
-            meter.add_step(loss)
             bar.update(1)
             if profiler is not None:
                 profiler.step()
             step = state["step"]
-            # One small CPU all-reduce per step: a stop signal any rank got, a non-finite loss on any rank.
-            run.stop_signal, bad_loss = map(int, all_max([run.preemption.received, not math.isfinite(float(loss))],
-                                                         engine.control))
-            # fp16: a skip with a finite loss is the loss scaler's overflow (normal while it finds its
-            # scale): counted as skipped, but not toward a divergence
-            overflow = cfg.train.mixed_precision == "fp16" and not applied and not bad_loss
-            note = guard.after_step(step, applied, bool(bad_loss), overflow, float(loss), grad_norm, engine.lr())
-            state["skipped_steps"] = guard.skipped_total
-            if note:
-                engine.print0(note)
             if step % cfg.logging.log_every == 0 or step == run.total_steps:
+                check_guard(run)
                 row = log_step(run, meter.read(engine.all_sum, engine.device), grad_norm, watch)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             t_aside = time.perf_counter()
@@ -216,10 +222,20 @@ def train(run: Run) -> None:
             meter.exclude(time.perf_counter() - t_aside)   # eval and checkpoints are not training time
             if step >= run.stop_at or run.stop_signal:
                 break
+    agreement.close()
     bar.close()
     if profiler is not None:
         profiler.stop()
         engine.print0(profile_table(profiler, run.output_dir))
+
+
+def check_guard(run: Run) -> None:
+    """Read the non-finite-step counters (a log, eval or checkpoint step: guard.StepGuard); raises
+    Diverged after train.max_bad_steps in a row."""
+    note = run.guard.check(run.state["step"], run.engine.lr())
+    run.state["skipped_steps"] = run.guard.skipped_total
+    if note:
+        run.engine.print0(note)
 
 
 def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
@@ -229,6 +245,8 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
            "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
     # MFU over every device (a pipeline's bubbles count against it)
     row["mfu"] = run.flops_per_token * row["padded_tokens_per_sec"] / (run.peak_flops * engine.num_processes)
+    if run.audit is not None:   # logging.sync_audit: host waits in this window's steps
+        row["host_syncs"] = run.audit.read_window()
     _, warning = watch.verdict(row["data_wait_share"], row["window_steps"], row["window_s"])
     if warning:
         engine.print0(warning)
@@ -255,6 +273,8 @@ def run_eval(run: Run) -> dict:
     shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     baseline = f" (majority baseline accuracy {run.baseline:.4f})" if run.baseline is not None else ""
     run.engine.print0(f"[eval] {shown}{baseline}")
+    if run.guard is not None:
+        check_guard(run)
     if not (run.guard is not None and run.guard.streak):   # a diverging state is never the best
         keep_best(run.cfg, run.engine, run.state, metrics, run.output_dir, run.config_yaml)
     return metrics
@@ -264,6 +284,8 @@ def checkpoint_now(run: Run) -> bool:
     """A checkpoint at this step, unless the last step was not finite: a diverging state never
     replaces the last good checkpoint."""
     engine = run.engine
+    if run.guard is not None:
+        check_guard(run)
     if run.guard is not None and run.guard.streak:
         engine.print0(f"[checkpoint] not saved at step {run.state['step']}: the last {run.guard.streak} steps were "
                       "not finite; the previous checkpoint stays the latest")
@@ -309,6 +331,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
              "predicted_peak_memory_gb": None if predicted != predicted else predicted,
              "skipped_steps": state.get("skipped_steps", 0),
              **engine.final(), "backend": run.backend}
+    if run.audit is not None:
+        final["sync_audit"] = dict(run.audit.sites)
     if run.baseline is not None:
         final["majority_baseline_accuracy"] = run.baseline
     if cfg.checkpoint.export:

@@ -67,13 +67,12 @@ class ModelConfig:
     """None keeps the checkpoint's value (0.1 for a fresh BertConfig)."""
     attention_probs_dropout_prob: Optional[float] = None
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    dropout_impl: Literal["auto", "torch", "packed"] = "auto"
-    """How dropout masks are drawn; the keep probability and scaling are torch's. packed: four 16-bit
-    words per 64-bit random draw (bert_recipes/dropout.py; keep probability exact to 2^-17) instead of
-    torch's serial per-element bernoulli_ on CPU; a BERT encoder's attention dropout then runs SDPA's
-    math path with that mask (bf16 matmuls under bf16 autocast, where torch's upcasts to fp32).
-    auto: packed on CPU, torch's fused dropout on GPUs. torch: always torch's. train.compile keeps
-    torch's in every case. make bench measures it (the "torch dropout" row)."""
+    dropout_impl: Literal["torch", "packed"] = "torch"
+    """How dropout masks are drawn; the keep probability and scaling are torch's either way. torch:
+    torch's dropout (fused on GPUs). packed, an opt-in for CPUs only (refused on GPUs, ignored under
+    train.compile): four 16-bit words per 64-bit random draw (bert_recipes/dropout.py; keep probability
+    exact to 2^-17) instead of torch's serial per-element bernoulli_, and a BERT encoder's attention
+    dropout then runs SDPA's math path with that mask. make bench measures it (the "packed dropout" row)."""
     sparse_mlm_head: bool = True
     """mlm: run the prediction head on masked positions only (same loss, ~3x less head compute)."""
     gradient_checkpointing: bool = False
@@ -126,12 +125,14 @@ class DataConfig:
     pretraining). False: one line per example, padded dynamically per batch."""
     mlm_probability: float = 0.15
     """Share of tokens selected; of those 80% -> [MASK], 10% -> random token, 10% kept."""
-    max_predictions_per_seq: Optional[int] = None
-    """mlm: None: each token is masked with probability mlm_probability, and the sparse head indexes the
-    masked positions (shapes vary per batch). N: exactly min(N, round(mlm_probability x tokens)) tokens
-    per sequence, as BERT's own data pipeline (N = 20 at sequence 128), passed to the model as
-    positions: static shapes (train.compile needs them) and no host sync. train.compile sets
-    round(mlm_probability x max_seq_length) when unset."""
+    max_predictions_per_seq: Union[int, Literal["auto"], None] = "auto"
+    """mlm: K. Exactly min(K, round(mlm_probability x tokens)) tokens of each sequence are chosen, as
+    BERT's own data pipeline, and passed to the model as K positions: static shapes (train.compile needs
+    them) and no host sync. auto: K = round(mlm_probability x max_seq_length), 19 at 128 and 77 at 512:
+    the number of tokens BERT masks in a full sequence (its data had 20 and 80 slots, one or three of
+    them always empty). null: each token is chosen with probability mlm_probability, and the head
+    indexes the masked positions with a boolean mask (shapes vary per batch; a host sync every micro
+    batch on a GPU); runs from before the K default resume with a note that this setting changed."""
     whole_word_masking: bool = False
     """mlm: select whole words (a WordPiece token and its "##" pieces) rather than single tokens, as
     BERT's whole-word-masking checkpoints were trained; still a pure function of (seed, epoch, example)."""
@@ -150,8 +151,8 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     persistent_workers: bool = False
-    """Keep DataLoader workers alive across epochs (needs num_workers > 0). MLM masks are then
-    drawn with the epoch the workers started in (static masking per worker lifetime)."""
+    """Keep DataLoader workers alive across epochs (needs num_workers > 0). MLM masks still change every
+    epoch: the collator's epoch lives in shared memory, which the workers read."""
     pin_memory: bool = True
     """Pinned host memory for faster host->GPU copies (ignored on CPU)."""
     cache_dir: Optional[str] = None
@@ -197,8 +198,11 @@ class OptimConfig:
 class TrainConfig:
     global_batch_size: int = 32
     """Sequences per optimizer step, summed over all ranks and accumulation steps."""
-    micro_batch_size: int = 32
-    """Sequences per forward pass on one rank. Accumulation = global / (micro x world)."""
+    micro_batch_size: Union[int, Literal["auto"]] = 32
+    """Sequences per forward pass on one rank. Accumulation = global / (micro x world). auto (GPUs): the
+    largest divisor of global / data-parallel ranks that the memory planner says fits this GPU's free
+    memory with a margin (bert_recipes.memory.auto_micro_batch), decided before the run starts, written
+    into its resolved config (a resume keeps it) and logged with the reason."""
     eval_batch_size: Optional[int] = None
     """Per rank; None = micro_batch_size."""
     max_steps: Optional[int] = None
@@ -263,6 +267,11 @@ class LoggingConfig:
     """Warn (once) when more than this share of step time is spent waiting for batches."""
     plot: bool = True
     """Write curves.png (loss and eval metrics) to output_dir at the end."""
+    sync_audit: bool = False
+    """Count, in the steps between log steps, the calls that would make the host wait for a GPU (a
+    tensor read as a number, copied to the host, or indexed by a boolean mask; synchronize), by call
+    site: each log line gets `host_syncs`, metrics.json the sites (bert_recipes.perf.SyncAudit). A
+    diagnostic: it slows the step it watches."""
 
 
 @dataclass
@@ -496,7 +505,7 @@ def schedule_warnings(cfg: Config, total_steps: int) -> list[str]:
 # Ranges of single values: (section.key, test, what the value must be). None (unset) always passes.
 _RANGES = [
     ("train.global_batch_size", lambda v: v > 0, "positive"),
-    ("train.micro_batch_size", lambda v: v > 0, "positive"),
+    ("train.micro_batch_size", lambda v: v == "auto" or v > 0, "positive, or auto (GPUs)"),
     ("train.eval_batch_size", lambda v: v > 0, "positive"),
     ("train.max_steps", lambda v: v > 0, "positive"),
     ("train.epochs", lambda v: v > 0, "positive"),
@@ -516,7 +525,7 @@ _RANGES = [
     ("data.mlm_probability", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.15"),
     ("data.max_seq_length", lambda v: v >= 8, ">= 8 tokens"),
     ("data.max_train_samples", lambda v: v > 0, "positive"),
-    ("data.max_predictions_per_seq", lambda v: v > 0, "positive"),
+    ("data.max_predictions_per_seq", lambda v: v == "auto" or v > 0, "positive, or auto"),
     ("data.max_eval_samples", lambda v: v > 0, "positive"),
     ("data.validation_split_percentage", lambda v: 0 < v < 100, "in (0, 100)"),
     ("data.num_workers", lambda v: v >= 0, ">= 0"),
@@ -535,14 +544,26 @@ _RANGES = [
 ]
 
 
+def predictions_per_seq(cfg: Config) -> int | None:
+    """K of data.max_predictions_per_seq ("auto": round(mlm_probability x max_seq_length)); None: the
+    per-token Bernoulli choice, or not MLM."""
+    d = cfg.data
+    if cfg.task.kind != "mlm":
+        return None
+    if d.max_predictions_per_seq == "auto" or (d.max_predictions_per_seq is None and cfg.train.compile):
+        return max(1, round(d.mlm_probability * d.max_seq_length))
+    return d.max_predictions_per_seq
+
+
 def resolve(cfg: Config) -> list[str]:
     """Settings derived from others, filled in before the run starts; -> one note per setting."""
     notes = []
-    if cfg.train.compile and cfg.task.kind == "mlm" and cfg.data.max_predictions_per_seq is None:
-        cfg.data.max_predictions_per_seq = max(1, round(cfg.data.mlm_probability * cfg.data.max_seq_length))
-        notes.append(f"[config] train.compile: static shapes, data.max_predictions_per_seq="
-                     f"{cfg.data.max_predictions_per_seq} (= round({cfg.data.mlm_probability} x "
-                     f"{cfg.data.max_seq_length}) masked tokens per sequence)")
+    d, was = cfg.data, cfg.data.max_predictions_per_seq
+    d.max_predictions_per_seq = predictions_per_seq(cfg)
+    if d.max_predictions_per_seq is not None and d.max_predictions_per_seq != was:
+        why = "train.compile needs static shapes" if was is None else "auto"
+        notes.append(f"[config] data.max_predictions_per_seq={d.max_predictions_per_seq} ({why}: round("
+                     f"{d.mlm_probability} x {d.max_seq_length}) tokens predicted per sequence, static shapes)")
     return notes
 
 
@@ -554,7 +575,7 @@ def validate(cfg: Config) -> None:
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value} is not allowed: it must be {must}")
     t, d, m = cfg.train, cfg.data, cfg.model
-    if t.global_batch_size % t.micro_batch_size:
+    if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size={t.micro_batch_size}")
     if t.max_steps is None and t.epochs is None:

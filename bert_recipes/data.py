@@ -381,86 +381,148 @@ def _seed_of(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
+def _signed(value: int) -> int:
+    """A 64-bit constant as torch's int64 holds it."""
+    return value - 2 ** 64 if value >= 2 ** 63 else value
+
+
+_MASK64 = [(1 << (64 - k)) - 1 for k in range(64)]   # logical right shift of an int64: (x >> k) & _MASK64[k]
+
+
+def random_bits(key: int, rows: torch.Tensor, columns: int) -> torch.Tensor:
+    """64 random bits (an int64) for each (row id, column), shape (len(rows), columns), each a pure
+    function of (key, row id, column): splitmix64 of a counter (Steele et al. 2014), vectorised over the
+    whole batch, so example i's values do not depend on which other examples share its batch, worker
+    or rank."""
+    counter = rows.to(torch.int64)[:, None] * columns + torch.arange(columns) + _signed((key * 0x9E3779B97F4A7C15) % 2 ** 64)
+    z = counter + _signed(0x9E3779B97F4A7C15)
+    z = (z ^ ((z >> 30) & _MASK64[30])) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ ((z >> 27) & _MASK64[27])) * _signed(0x94D049BB133111EB)
+    return z ^ ((z >> 31) & _MASK64[31])
+
+
+def uniform_field(bits: torch.Tensor, shift: int, width: int) -> torch.Tensor:
+    """Bits shift .. shift + width - 1 of `bits` as a uniform float in [0, 1)."""
+    return ((bits >> shift) & ((1 << width) - 1)).to(torch.float32) / float(1 << width)
+
+
 class MLMCollator:
-    """Pads a batch and masks `mlm_probability` of its non-special tokens: 80% [MASK],
-    10% a random token, 10% unchanged. Labels are -100 everywhere else.
+    """Stacks (packed blocks) or pads a batch and masks `mlm_probability` of its non-special tokens:
+    80% [MASK], 10% a random token, 10% unchanged. Labels are -100 everywhere else.
+
+    max_predictions (K): exactly min(K, round(mlm_probability x tokens)) tokens of each sequence are
+    chosen, uniformly, as BERT's create_pretraining_data does, and with `positions` the batch carries
+    them as `masked_positions` (K a row, the chosen ones first in position order, then unused slots at
+    0): the model's head then has static shapes and no boolean indexing (modeling.py). None: each
+    token is chosen with probability mlm_probability (a count that varies per sequence).
 
     whole_word: words, not tokens, are chosen (a word is a WordPiece token and the "##" pieces that
-    follow it), as BERT's whole-word-masking models were trained: words in a random order are
-    taken while they fit in round(mlm_probability x tokens), so all pieces of a word are predicted
-    together; each chosen token then gets the 80/10/10 replacement.
+    follow it), as BERT's whole-word-masking models were trained: words in a random order are taken
+    while they fit in min(K, round(mlm_probability x tokens)), a word that does not fit is passed over
+    for the next ones (BERT's rule), so all pieces of a word are predicted together; each chosen token
+    then gets the 80/10/10 replacement.
 
-    The masking of example i in epoch e depends only on (seed, e, i). Set `.epoch` before
-    each epoch (with persistent DataLoader workers the workers keep their own copy)."""
+    The masking of example i in epoch e depends only on (seed, e, i): every random number is a hash of
+    those and its position (`random_bits`), computed for the whole batch at once. Set `.epoch` before each
+    epoch; it lives in shared memory, so persistent DataLoader workers see it too (a copy gets its own)."""
 
     def __init__(self, tokenizer, mlm_probability: float, seed: int, pad_to_multiple_of: int | None = 8,
-                 fixed_length: int | None = None, whole_word: bool = False, max_predictions: int | None = None):
-        self.max_predictions = max_predictions
+                 fixed_length: int | None = None, whole_word: bool = False, max_predictions: int | None = None,
+                 positions: bool = True):
+        self.max_predictions, self.positions = max_predictions, positions and bool(max_predictions)
         self.tokenizer = tokenizer
+        self.pad_id, self.mask_id = tokenizer.pad_token_id, tokenizer.mask_token_id
         self.mlm_probability = mlm_probability
         self.seed = seed
         self.pad_to_multiple_of = pad_to_multiple_of
         self.fixed_length = fixed_length
-        self.epoch = 0
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.vocab_size = len(tokenizer)
         self.whole_word = whole_word
         if whole_word:   # token id -> is it a "##" continuation piece?
             pieces = tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
             self.continuation = torch.tensor([p is not None and p.startswith("##") for p in pieces])
 
-    def _choose_words(self, ids, special, g) -> torch.Tensor:
-        """Whole-word selection for one sequence (see the class docstring)."""
-        valid = ~special
-        starts = valid & ~(self.continuation[ids] & torch.cat([torch.tensor([False]), valid[:-1]]))
-        word = torch.cumsum(starts, 0) - 1                       # the word of each position (valid ones)
-        n_words = int(starts.sum())
-        chosen = torch.zeros_like(valid)
-        if n_words == 0:
-            return chosen
-        target = max(1, round(int(valid.sum()) * self.mlm_probability))
-        if self.max_predictions:   # as BERT's create_pretraining_data: never more than K tokens
-            target = min(target, self.max_predictions)
-        lengths = torch.bincount(word[valid], minlength=n_words)
-        taken = 0
-        for w in torch.randperm(n_words, generator=g).tolist():
-            if taken + int(lengths[w]) > target:
-                continue
-            chosen |= valid & (word == w)
-            taken += int(lengths[w])
-        return chosen
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch[0])
+
+    @epoch.setter
+    def epoch(self, value: int):
+        self._epoch[0] = value
+
+    def __copy__(self):
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other._epoch = self._epoch.clone().share_memory_()
+        return other
+
+    def _targets(self, valid: torch.Tensor) -> torch.Tensor:
+        """Tokens to predict in each row: round(p x valid tokens), at least 1, at most K."""
+        count = valid.sum(1)
+        target = torch.round(count.double() * self.mlm_probability).long().clamp(min=1)
+        if self.max_predictions:
+            target = target.clamp(max=self.max_predictions)
+        return torch.where(count > 0, target, torch.zeros_like(target))
+
+    def _choose_tokens(self, valid, u) -> torch.Tensor:
+        """K-exact choice: the `target` valid positions with the smallest random keys."""
+        keys = torch.where(valid, u, torch.full_like(u, 2.0))
+        order = keys.argsort(dim=1, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(valid.shape[1]).expand_as(order))
+        return rank < self._targets(valid)[:, None]
+
+    def _choose_words(self, ids, valid, u) -> torch.Tensor:
+        """Whole-word choice (see the class docstring), all rows at once; the greedy pass over each
+        row's words in random order runs over word ranks, not rows."""
+        import numpy as np
+        rows, n = ids.shape
+        starts = valid & ~(self.continuation[ids] & torch.cat([torch.zeros(rows, 1, dtype=torch.bool), valid[:, :-1]], 1))
+        word = torch.cumsum(starts.long(), 1) - 1                      # word index of each position
+        word = torch.where(valid, word, torch.full_like(word, n))      # n: not a word
+        lengths = torch.zeros(rows, n + 1, dtype=torch.long).scatter_add_(1, word, torch.ones_like(word))[:, :n]
+        keys = torch.where(starts, u, torch.full_like(u, 2.0))        # a word's key: its first token's
+        word_key = torch.full((rows, n + 1), 2.0).scatter_(1, torch.where(starts, word, n), keys)[:, :n]
+        order = word_key.argsort(dim=1, stable=True).numpy()           # words in random order (no-words last)
+        sorted_len = np.take_along_axis(lengths.numpy(), order, 1)
+        target, taken = self._targets(valid).numpy(), np.zeros(rows, dtype=np.int64)
+        take = np.zeros_like(sorted_len, dtype=bool)
+        for j in range(int((lengths > 0).sum(1).max())):     # BERT's skip-and-continue, per rank
+            fits = (sorted_len[:, j] > 0) & (taken + sorted_len[:, j] <= target)
+            take[:, j] = fits
+            taken += np.where(fits, sorted_len[:, j], 0)
+            if (taken >= target).all():
+                break
+        chosen_word = np.zeros((rows, n + 1), dtype=bool)
+        np.put_along_axis(chosen_word, order, take, 1)
+        return torch.from_numpy(chosen_word).gather(1, word) & valid
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        idx = [e["idx"] for e in examples]
-        features = [{k: v for k, v in e.items() if k != "idx"} for e in examples]
-        batch = _pad(self.tokenizer, features, self.pad_to_multiple_of, self.fixed_length)
-        special = batch.pop("special_tokens_mask").bool() | (batch["attention_mask"] == 0)
-        inputs = batch["input_ids"].clone()
-        labels = batch["input_ids"].clone()
-        for row, i in enumerate(idx):
-            g = torch.Generator().manual_seed(_seed_of(self.seed, self.epoch, i))
-            n = inputs.shape[1]
-            if self.whole_word:
-                chosen = self._choose_words(inputs[row], special[row], g)
-            elif self.max_predictions:   # BERT's count: min(K, round(p x tokens)) positions, chosen uniformly
-                valid = (~special[row]).nonzero()[:, 0]
-                count = min(self.max_predictions, max(1, round(len(valid) * self.mlm_probability))) if len(valid) else 0
-                chosen = torch.zeros(n, dtype=torch.bool)
-                chosen[valid[torch.randperm(len(valid), generator=g)[:count]]] = True
-            else:
-                chosen = (torch.rand(n, generator=g) < self.mlm_probability) & ~special[row]
-            action = torch.rand(n, generator=g)
-            random_ids = torch.randint(self.vocab_size, (n,), generator=g)
-            labels[row][~chosen] = -100
-            to_mask = chosen & (action < 0.8)
-            to_random = chosen & (action >= 0.8) & (action < 0.9)
-            inputs[row][to_mask] = self.tokenizer.mask_token_id
-            inputs[row][to_random] = random_ids[to_random]
-        batch["input_ids"], batch["labels"] = inputs, labels
-        if self.max_predictions:   # K positions per sequence, the unused ones at 0 (the model ignores them)
-            batch["masked_positions"] = torch.stack([
-                torch.nn.functional.pad(row.nonzero()[:, 0][:self.max_predictions],
-                                        (0, self.max_predictions - min(int(row.sum()), self.max_predictions)))
-                for row in labels != -100])
+        batch = _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length)
+        special = batch.pop("special_tokens_mask").bool()
+        if "attention_mask" in batch:
+            special |= batch["attention_mask"] == 0
+        ids, valid = batch["input_ids"], ~special
+        rows = torch.tensor([e["idx"] for e in examples], dtype=torch.int64)
+        # one 64-bit draw a position: 24 bits choose it, 20 bits its replacement, 20 bits a random token
+        bits = random_bits(_seed_of(self.seed, self.epoch), rows, ids.shape[1])
+        u, action, pick = uniform_field(bits, 40, 24), uniform_field(bits, 20, 20), uniform_field(bits, 0, 20)
+        if self.whole_word:
+            chosen = self._choose_words(ids, valid, u)
+        elif self.max_predictions:
+            chosen = self._choose_tokens(valid, u)
+        else:
+            chosen = (u < self.mlm_probability) & valid
+        random_ids = (pick * self.vocab_size).long().clamp(max=self.vocab_size - 1)
+        batch["labels"] = torch.where(chosen, ids, -100)
+        inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, ids)
+        batch["input_ids"] = torch.where(chosen & (action < 0.8), self.mask_id, inputs)
+        if self.positions:   # K slots a row: the chosen positions in order, then unused slots at 0
+            k, n = self.max_predictions, ids.shape[1]
+            slots = torch.where(chosen, torch.arange(n), n).sort(dim=1).values[:, :k]
+            if slots.shape[1] < k:
+                slots = torch.cat([slots, torch.full((len(slots), k - slots.shape[1]), n)], 1)
+            batch["masked_positions"] = torch.where(slots < n, slots, 0)
         return batch
 
 
@@ -469,20 +531,41 @@ class ClassificationCollator:
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None = 8, fixed_length: int | None = None):
         self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.fixed_length = fixed_length
         self.epoch = 0
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        features = [{k: v for k, v in e.items() if k != "idx"} for e in examples]
-        return _pad(self.tokenizer, features, self.pad_to_multiple_of, self.fixed_length)
+        return _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length)
 
 
-def _pad(tokenizer, features, pad_to_multiple_of, fixed_length):
-    """Dynamic padding, or every batch to `fixed_length` (the pipeline engine needs fixed shapes)."""
-    if fixed_length:
-        return tokenizer.pad(features, return_tensors="pt", padding="max_length", max_length=fixed_length)
-    return tokenizer.pad(features, return_tensors="pt", pad_to_multiple_of=pad_to_multiple_of)
+def _collate(examples: list[dict], pad_id: int, pad_to_multiple_of: int | None, fixed_length: int | None) -> dict:
+    """Tensors of a list of tokenized rows. Rows of one length (packed MLM blocks) are stacked as they
+    are, without an attention_mask: the model then attends everywhere, and builds no mask (on a GPU,
+    checking an all-ones mask makes the host wait: bert_recipes.dropout). Otherwise every row is
+    padded to the longest (rounded up to a multiple of `pad_to_multiple_of`), or to `fixed_length`
+    (the pipeline engine needs fixed shapes), with an attention_mask."""
+    import numpy as np   # numpy builds an int64 array from lists about 6x faster than torch.tensor
+    lengths = [len(e["input_ids"]) for e in examples]
+    columns = [k for k in examples[0] if k not in ("idx", "labels", "label")]
+    if fixed_length is None and min(lengths) == max(lengths):
+        batch = {k: torch.from_numpy(np.array([e[k] for e in examples], dtype=np.int64))
+                 for k in columns if k != "attention_mask"}
+    else:
+        width = fixed_length or max(lengths)
+        if pad_to_multiple_of and not fixed_length:
+            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        fill = {"input_ids": pad_id, "special_tokens_mask": 1}
+        batch = {}
+        for k in sorted(set(columns) | {"attention_mask"}):
+            out = np.full((len(examples), width), fill.get(k, 0), dtype=np.int64)
+            for row, (e, n) in enumerate(zip(examples, lengths)):
+                out[row, :n] = e[k] if k in e else 1   # no attention_mask column: the real tokens
+            batch[k] = torch.from_numpy(out)
+    if "labels" in examples[0]:
+        batch["labels"] = torch.tensor([e["labels"] for e in examples])
+    return batch
 
 
 def loader_kwargs(data: DataConfig, collate, seed: int, pin: bool) -> dict:
@@ -569,9 +652,10 @@ def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: in
 
 def make_collator(cfg, tokenizer, fixed_length: int | None):
     if cfg.task.kind == "mlm":
+        # the pipeline (fixed_length) computes every position's logits: the same tokens are chosen, no positions
         return MLMCollator(tokenizer, cfg.data.mlm_probability, cfg.run.seed, fixed_length=fixed_length,
-                           whole_word=cfg.data.whole_word_masking,
-                           max_predictions=None if fixed_length else cfg.data.max_predictions_per_seq)
+                           whole_word=cfg.data.whole_word_masking, max_predictions=cfg.data.max_predictions_per_seq,
+                           positions=fixed_length is None)
     return ClassificationCollator(tokenizer, fixed_length=fixed_length)
 
 

@@ -1,20 +1,26 @@
-"""Dropout with cheap random bits (model.dropout_impl): torch's dropout distribution, drawn faster on CPU.
+"""BERT's attention and dropout as the run uses them (bert_recipes.modeling.build_model applies this).
 
-torch's CPU dropout draws one double per element from a serial Mersenne Twister (`bernoulli_`): on the
-mini bench model (4 layers, hidden 256, sequence 128, batch 16) its 13 masks, 8.9M elements, took 47 ms
-of a 324 ms fp32 step and 18% of the bf16 step (make bench --profile). Here one 64-bit draw gives four
-16-bit words, and an element is kept when its word is at or above round(p * 65536): the keep probability
-is 1 - p to within 2^-17 (0.1 -> 0.10000610), and the kept values are scaled by the inverse of the exact
-keep probability, so the expectation is the input's, as with torch. Same generator (torch's default,
-saved and restored with every checkpoint), so runs stay reproducible and resume exactly.
+Every BERT encoder with sdpa gets the attention "bert_recipes_sdpa": transformers' sdpa, with a padding
+mask built without reading it on the host. transformers' own mask builder asks `padding_mask.all()`
+before each forward (to skip an all-ones mask), which makes the host wait for the GPU; here a batch
+without padding comes without an attention_mask (packed MLM: data.MLMCollator) and gets no mask, and a
+padded one gets its mask built unconditionally.
 
-Attention dropout sits inside scaled_dot_product_attention, which on CPU falls back to its math path
-whenever dropout is on; "sdpa_packed_dropout" is that math path with this mask, for BERT's bidirectional
-encoder only (anything else, and eval, p = 0, goes to transformers' sdpa). One difference under bf16
-autocast: torch's math path upcasts q, k, v to fp32, here the two matmuls run in bf16 (fp32 softmax),
-as fused GPU kernels do. On GPUs torch's fused dropout is already cheap, so "auto" packs only CPU
-tensors; under torch.compile every setting keeps torch's dropout (dynamo cannot trace `random_`, and
-inductor's kernels draw their own bits).
+model.dropout_impl: packed (CPU only, an opt-in): dropout masks with cheap random bits. torch's CPU
+dropout draws one double per element from a serial Mersenne Twister (`bernoulli_`): on the mini bench
+model (4 layers, hidden 256, sequence 128, batch 16) its 13 masks, 8.9M elements, took 47 ms of a 324 ms
+fp32 step and 18% of the bf16 step (make bench --profile). Here one 64-bit draw gives four 16-bit words,
+and an element is kept when its word is at or above round(p * 65536): the keep probability is 1 - p to
+within 2^-17 (0.1 -> 0.10000610), and the kept values are scaled by the inverse of the exact keep
+probability, so the expectation is the input's, as with torch. Same generator (torch's default, saved and
+restored with every checkpoint), so runs stay reproducible and resume exactly. Attention dropout sits
+inside scaled_dot_product_attention, which on CPU falls back to its math path whenever dropout is on; with
+packed masks the attention is that math path with this mask, for BERT's bidirectional encoder only
+(anything else, and eval, p = 0, goes to transformers' sdpa). One difference under bf16 autocast: torch's
+math path upcasts q, k, v to fp32, here the two matmuls run in bf16 (fp32 softmax), as fused GPU kernels
+do. On GPUs torch's fused dropout is already cheap: packed is refused there (bert_recipes.preflight), and
+under torch.compile it is not used (dynamo cannot trace `random_`, and inductor's kernels draw their own
+bits). `packed_dropout_here` is the one answer, for the run and for the memory planner.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ATTENTION = "sdpa_packed_dropout"
+ATTENTION = "bert_recipes_sdpa"
 
 
 def keep_mask(shape, p: float, device) -> tuple[torch.Tensor, float]:
@@ -43,21 +49,17 @@ def packed_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return x.mul(mask).mul_(scale)   # autograd keeps the mask (mul's backward), not x
 
 
-def _packed_here(x: torch.Tensor, impl: str) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return impl == "packed" or (impl == "auto" and x.device.type == "cpu")
+def packed_dropout_here(impl: str, compile: bool, device_type: str) -> bool:
+    """Does this run draw packed dropout masks? model.dropout_impl=packed, on a CPU, without
+    train.compile. The run (build_model) and the memory planner (bert_recipes.memory) both ask this."""
+    return impl == "packed" and device_type == "cpu" and not compile
 
 
 class PackedDropout(nn.Dropout):
-    """nn.Dropout whose mask comes from keep_mask on CPU (model.dropout_impl)."""
-
-    def __init__(self, p: float, impl: str):
-        super().__init__(p)
-        self.impl = impl
+    """nn.Dropout whose mask comes from keep_mask (model.dropout_impl=packed)."""
 
     def forward(self, x):
-        if not self.training or self.p == 0 or not _packed_here(x, self.impl):
+        if not self.training or self.p == 0 or torch.compiler.is_compiling():
             return F.dropout(x, self.p, self.training)
         return packed_dropout(x, self.p)
 
@@ -67,7 +69,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     packed mask when dropout is on; otherwise transformers' own sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     plain = not kwargs.get("is_causal", getattr(module, "is_causal", False)) and query.shape[1] == key.shape[1]
-    if not dropout or not plain or not _packed_here(query, getattr(module, "dropout_impl", "auto")):
+    if not (dropout and plain and getattr(module, "packed_dropout", False)) or torch.compiler.is_compiling():
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = query.size(-1) ** -0.5 if scaling is None else scaling
@@ -81,23 +83,35 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
-def use_packed_dropout(model: nn.Module, impl: str) -> int:
-    """Swap the model's nn.Dropout modules (and, for a BERT encoder with sdpa, its attention) for the packed
-    ones; -> how many dropout modules. Parameters and exported weights are untouched: dropout has none,
-    and the attention name is not saved with the config (an export loads as plain sdpa). Other
-    architectures (a classifier from any Hub model) and BERT as a decoder keep transformers' attention."""
+def padding_mask(*args, attention_mask=None, **kwargs):
+    """transformers' sdpa mask for a bidirectional encoder, without reading the padding mask on the
+    host: no padding mask, no mask (a batch without padding); else the mask, built every time."""
+    from transformers.masking_utils import sdpa_mask
+    if attention_mask is None and kwargs.get("local_size") is None:
+        return None
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def use_recipe_attention(model: nn.Module, packed: bool) -> int:
+    """A BERT encoder with sdpa gets the attention "bert_recipes_sdpa" (see the module docstring); with
+    `packed` (packed_dropout_here) its nn.Dropout modules draw packed masks, and so does its attention.
+    -> how many dropout modules were swapped. Parameters and exported weights are untouched: dropout
+    has none, and the attention name is not saved with the config (an export loads as plain sdpa).
+    Other architectures (a classifier from any Hub model) and BERT as a decoder keep transformers'
+    attention."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(ATTENTION, attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)   # without it, transformers builds no padding mask
+    AttentionMaskInterface.register(ATTENTION, padding_mask)   # without a mask function, transformers builds none
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Dropout:
-                setattr(parent, name, PackedDropout(child.p, impl))
+            if packed and type(child) is nn.Dropout:
+                setattr(parent, name, PackedDropout(child.p))
                 swapped += 1
-            if hasattr(child, "is_causal") and hasattr(child, "dropout"):   # self-attention: reads dropout_impl
-                child.dropout_impl = impl
+            if hasattr(child, "is_causal") and hasattr(child, "dropout"):   # self-attention: reads packed_dropout
+                child.packed_dropout = packed
     config = model.config
     if config._attn_implementation == "sdpa" and config.model_type == "bert" and not config.is_decoder:
         model.config._attn_implementation = ATTENTION

@@ -7,9 +7,10 @@ loop names no backend; it calls, in order:
     engine.describe() -> dict                  what really runs (backend, stages, sharding)
     engine.load(checkpoint_dir)                on resume
     engine.batches(epoch, skip) -> iterator    this rank's micro batches of one epoch
-    engine.train_step(batches) -> (loss, grad_norm)
+    engine.train_step(batches) -> (loss, grad_norm, skipped, overflow)
                                                one optimizer step: `accum` micro batches, clipping,
-                                               the update and the schedule
+                                               the update and the schedule; device tensors the host
+                                               does not wait for (train.py reads them at log steps)
     engine.evaluate() -> rows                  per-sample rows of every rank (metrics.eval_metrics)
     engine.save(dir)                           inside bert_recipes.checkpoint.save_checkpoint
     engine.export(dir, tokenizer, config_yaml) a Hugging Face model with full weights
@@ -33,8 +34,8 @@ from .backend import (LaunchPlan, build_accelerator, check_nvme_gradient_swap, d
 from .checkpoint import export_model
 from .config import Config
 from .data import Indexed, LengthGroupedBatches, loader_kwargs
-from .guard import control_group, slow_barrier, update_is_finite
-from .modeling import per_sample_mlm_loss
+from .guard import control_group, on_any_rank, slow_barrier
+from .modeling import per_sample_mlm_loss, slot_labels
 from .perf import peak_memory_gb
 
 
@@ -45,6 +46,28 @@ def build_engine(cfg: Config, plan: LaunchPlan, output_dir: Path):
         from .pipeline import PipelineEngine
         return PipelineEngine(cfg, plan, output_dir)
     return AccelerateEngine(cfg, plan, output_dir)
+
+
+def skip_update_if(optimizer, scaler, skipped) -> bool:
+    """Make this step's update a no-op where `skipped` (a bool tensor on the device) is true, without
+    the host reading it. -> whether to call optimizer.step() at all.
+
+    fp16: the loss scaler skips overflowing gradients itself; a non-finite loss is added to what it
+    found, so both take the same road (the scaler hands found_inf to a fused optimizer). Otherwise the
+    optimizer under Accelerate's wrapper takes it as `found_inf`: torch's fused AdamW (optim.fused, the
+    default) and the recipe's LAMB. Other kernels cannot (optim.fused=false, the foreach AdamW): there the
+    host reads the flag, one wait per step."""
+    from .optim import Lamb
+    inner = optimizer.optimizer   # Accelerate's AcceleratedOptimizer wraps the torch optimizer
+    if scaler is not None:
+        found = scaler._per_optimizer_states[id(inner)].get("found_inf_per_device", {})
+        for value in found.values():   # 0 or 1: the fused kernels skip on exactly 1
+            torch.maximum(value, skipped.to(value), out=value)
+        return True
+    if getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, Lamb):
+        inner.found_inf = skipped.float()
+        return True
+    return not bool(skipped)   # a host wait: this kernel has no found_inf
 
 
 class AccelerateEngine:
@@ -152,8 +175,10 @@ class AccelerateEngine:
         return iter(loader)
 
     def train_step(self, batches):
-        """`accum` micro batches, then clip, step and schedule, unless the step is not finite.
-        -> (mean loss tensor, grad norm, whether the update was applied: the same on every rank)."""
+        """`accum` micro batches, then clip, step and schedule. A step whose loss (on any rank) or
+        gradient norm is not finite updates nothing, decided on the device (skip_update_if).
+        -> (mean loss, grad norm, skipped, fp16 overflow): device tensors the host has not waited for
+        (under DeepSpeed, its own skip decision, which it made on the host inside its step)."""
         a, losses = self.accelerator, []
         for _ in range(self.accum):
             batch = next(batches)
@@ -163,22 +188,23 @@ class AccelerateEngine:
             losses.append(loss.detach())
         assert a.sync_gradients, "the loop and Accelerate disagree on the accumulation boundary"
         loss = torch.stack(losses).float().mean()
+        if self.plan.deepspeed:   # DeepSpeed clipped and stepped, or skipped a non-finite step (its overflow check)
+            skipped = a.optimizer_step_was_skipped
+            if not skipped:       # as DeepSpeed's own schedules (and the Trainer) do
+                self.scheduler.step()
+            return loss, self.model.get_global_grad_norm(), skipped, False
         grad_norm = a.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)   # fp16: unscales first
-        if self.plan.deepspeed:   # DeepSpeed skipped a non-finite step itself (its overflow check)
-            applied = not a.optimizer_step_was_skipped
-        else:
-            # One small all-reduce: every rank's loss and the (global) norm. A step that is not finite
-            # is not taken; under fp16 the loss scaler still records it (update() after unscale_),
-            # lowering its scale exactly when it found an overflow.
-            applied = update_is_finite(loss, grad_norm, self.control)
-            if applied:
-                self.optimizer.step()
-            elif a.scaler is not None:
-                a.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-        if applied:
-            self.scheduler.step()
-        return loss, grad_norm, applied
+        if hasattr(grad_norm, "full_tensor"):   # FSDP2 returns a DTensor: the global norm as a plain tensor
+            grad_norm = grad_norm.full_tensor()
+        loss_bad = on_any_rank(~torch.isfinite(loss))
+        skipped = loss_bad | ~torch.isfinite(grad_norm)   # the norm is global: the same on every rank
+        if skip_update_if(self.optimizer, a.scaler, skipped):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # The schedule advances every step, applied or skipped: the host does not know which (the lr of
+        # step n is the schedule's, whatever earlier steps did; a skipped step's lr goes unused).
+        self.scheduler.step()
+        return loss, grad_norm, skipped, (skipped & ~loss_bad) if a.scaler is not None else False
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -216,7 +242,7 @@ class AccelerateEngine:
         for batch in (self.eval_loader if dataset is None else self._loader(dataset)):
             logits, labels = self.model(**batch).logits, batch["labels"]
             if "masked_positions" in batch:   # the static head's logits: one row per position slot
-                labels = labels.gather(1, batch["masked_positions"])
+                labels = slot_labels(labels, batch["masked_positions"])
             if task.kind == "mlm":
                 sums, counts, correct = per_sample_mlm_loss(logits, labels)
                 found = {"loss_sums": sums, "token_counts": counts, "correct": correct}

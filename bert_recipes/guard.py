@@ -2,14 +2,15 @@
 
 - Preemption: SIGTERM (what SLURM and Kubernetes send, and what `accelerate launch` / `torchrun`
   forward to their workers) or SIGUSR1 (SLURM's `--signal=USR1@120`). The handler only records the
-  signal; after each optimizer step the ranks agree (one all-reduce over a small gloo group), so
-  every rank stops after the same step, the run saves a checkpoint there, and the process exits with
-  128 + the signal number: 143 after SIGTERM, 138 after SIGUSR1. A second signal is ignored: the
-  save is atomic either way (bert_recipes/checkpoint.py).
-- Non-finite steps: an update whose loss or gradient norm is NaN/Inf is skipped by the engine
-  (fp16: by the loss scaler, which also lowers its scale). After `train.max_bad_steps` in a row the
-  run stops with a diagnosis and exit code 3; no checkpoint is written while a streak lasts, so the
-  last good one is never overwritten by a diverged state.
+  signal; the ranks agree on it over a small gloo group without waiting each step (StopAgreement:
+  every rank learns of it one or two steps later, at the same step), save a checkpoint there, and the
+  process exits with 128 + the signal number: 143 after SIGTERM, 138 after SIGUSR1. A second signal is
+  ignored: the save is atomic either way (bert_recipes/checkpoint.py).
+- Non-finite steps: an update whose loss (on any rank) or gradient norm is NaN/Inf is skipped on the
+  device (fused AdamW's found_inf; fp16: the loss scaler, which also lowers its scale). The counts stay
+  on the device and are read at log steps (StepGuard): after `train.max_bad_steps` in a row the run
+  stops with a diagnosis and exit code 3, at most `logging.log_every` - 1 steps later; no checkpoint is
+  written while a streak lasts, so the last good one is never overwritten by a diverged state.
 - A stuck or lost rank: every collective waits at most `train.collective_timeout_s`; the run then
   ends with exit code 4 and a message naming the setting.
 - A user mistake (config, data, paths): one `config error:` line from rank 0, exit code 2.
@@ -74,14 +75,48 @@ def slow_barrier(group, timeout_s: float, what: str):
     return barrier
 
 
-def update_is_finite(loss, grad_norm, group) -> bool:
-    """Is this optimizer step safe to apply? Every rank's loss and the (global) gradient norm are
-    finite; one small all-reduce makes the answer the same on every rank. Under fp16 the norm is
-    taken after the loss scaler unscaled the gradients, so it is not finite exactly when the scaler
-    finds an overflow and skips the step itself (tests/test_gpu_paths.py checks this with a real
-    GradScaler)."""
-    local_bad = not (torch.isfinite(torch.as_tensor(loss)).all() and torch.isfinite(torch.as_tensor(grad_norm)).all())
-    return all_max([float(local_bad)], group)[0] == 0
+def on_any_rank(flag: torch.Tensor) -> torch.Tensor:
+    """A bool tensor, true on every rank where it is true on any: one all-reduce of one element on
+    the batch's device (the default process group), queued like the gradients' own, so the host does
+    not wait for it."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    votes = flag.to(torch.int32)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    return votes.bool()
+
+
+class StopAgreement:
+    """Every rank stops after the same step when any rank got a stop signal, without a per-step wait:
+    after step k each rank starts a small asynchronous all-reduce (the gloo control group, on the host)
+    of what it has received, and after step k + 1 it reads the one started after step k, which has
+    long finished by then. So every rank learns of a signal at the same step, one or two steps after
+    it arrived (two when it arrives after that step's all-reduce started)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.pending = None
+
+    def after_step(self, received: int) -> int:
+        """-> the signal some rank had received by the previous step (0: none), the same on every rank."""
+        if self.group is None:
+            return received
+        import torch.distributed as dist
+        agreed = self.close()
+        flags = torch.tensor([received], dtype=torch.int64)
+        self.pending = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags
+        return agreed
+
+    def close(self) -> int:
+        """Wait for the all-reduce in flight (before the process leaves, or another collective on the
+        group that must not overtake it); -> what it agreed on."""
+        if self.pending is None:
+            return 0
+        work, flags = self.pending
+        self.pending = None
+        work.wait()
+        return int(flags[0])
 
 
 # ---------------------------------------------------------------------------- preemption
@@ -110,31 +145,61 @@ class Preemption:
 
 # ---------------------------------------------------------------------------- non-finite steps
 class StepGuard:
-    """Counts skipped (non-finite) updates and stops a run that keeps producing them."""
+    """Counts skipped (non-finite) updates and stops a run that keeps producing them, without reading
+    the device each step: `add` keeps the counts in one small tensor on the batch's device, and
+    `check`, called at log steps and before a checkpoint, reads it. So a streak of train.max_bad_steps
+    is noticed at the next log step: up to logging.log_every - 1 steps after it was reached (those
+    steps' updates are skipped too, if they are not finite, and no checkpoint is written meanwhile)."""
+
+    # the counters, one float64 tensor: skipped in the window, streak, and the last good / last bad step
+    SKIPPED, STREAK, GOOD_STEP, GOOD_LOSS, BAD_STEP, BAD_LOSS, BAD_NORM, FIRST_BAD = range(8)
 
     def __init__(self, max_bad_steps: int, skipped_total: int = 0):
         self.max_bad_steps = max_bad_steps
-        self.skipped_total = skipped_total
-        self.streak = 0
-        self.last_good: tuple[int, float] | None = None   # (step, loss)
+        self.skipped_total = skipped_total   # as of the last check
+        self.streak = 0                      # as of the last check
+        self.state = None
+        self.last_good: tuple[int, float] | None = None   # (step, loss), as of the last check
 
-    def after_step(self, step: int, applied: bool, bad_loss: bool, overflow: bool, loss: float,
-                   grad_norm: float | None, lr: float) -> str | None:
-        """applied: the engine updated the weights (the same on every rank); bad_loss: some rank's loss
-        was not finite; overflow: an fp16 loss-scale overflow, which the scaler handles (not a
-        divergence). -> a one-line note for a bad step; raises Diverged after max_bad_steps in a row."""
-        self.skipped_total += not applied
-        if overflow or (applied and not bad_loss):
-            self.streak = 0
-            if applied:
-                self.last_good = (step, loss)
+    def add(self, step: int, loss, grad_norm, skipped, overflow=False) -> None:
+        """One step's outcome, on the device. skipped: the update was not applied (the same on every
+        rank); overflow: an fp16 loss-scale overflow with finite losses, which the scaler handles
+        (skipped, but not a divergence: it ends a streak)."""
+        device = loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")
+        as_tensor = lambda v: torch.as_tensor(v, dtype=torch.float64, device=device)   # noqa: E731
+        if self.state is None:
+            self.state = torch.zeros(8, dtype=torch.float64, device=device)
+            self.state[self.FIRST_BAD] = -1
+        bad, loss = as_tensor(skipped), as_tensor(loss)
+        counts = bad * (1 - as_tensor(overflow))
+        norm = as_tensor(float("nan") if grad_norm is None else grad_norm)
+        s, step = self.state, as_tensor(step)
+        s[self.SKIPPED] += bad
+        s[self.STREAK] = (s[self.STREAK] + 1) * counts
+        for index, value, when in ((self.GOOD_STEP, step, 1 - bad), (self.GOOD_LOSS, loss, 1 - bad),
+                                   (self.BAD_STEP, step, bad), (self.BAD_LOSS, loss, bad), (self.BAD_NORM, norm, bad)):
+            s[index] = torch.where(when > 0, value, s[index])
+        s[self.FIRST_BAD] = torch.where((bad > 0) & (s[self.FIRST_BAD] < 0), step, s[self.FIRST_BAD])
+
+    def check(self, step: int, lr: float) -> str | None:
+        """Read the counters (a log or checkpoint step). -> a one-line note when updates were skipped
+        since the last check; raises Diverged once max_bad_steps in a row were reached."""
+        if self.state is None:
             return None
-        self.streak += 1
+        skipped, streak, good_step, good_loss, bad_step, bad_loss, bad_norm, first_bad = self.state.tolist()
+        if good_step > 0:
+            self.last_good = (int(good_step), good_loss)
+        self.streak, skipped = int(streak), int(skipped)
+        self.skipped_total += skipped
+        self.state[self.SKIPPED], self.state[self.FIRST_BAD] = 0, -1
         if self.streak >= self.max_bad_steps:
-            raise Diverged(self.diagnosis(step, loss, grad_norm, lr))
-        what = "update skipped" if not applied else "applied by DeepSpeed (its check looks at the gradients only)"
-        return (f"[skip] step {step}: loss {loss:.4g}, grad norm {_fmt(grad_norm)}: not finite, {what} "
-                f"({self.streak} in a row; the run stops at train.max_bad_steps={self.max_bad_steps})")
+            raise Diverged(self.diagnosis(step, bad_loss, bad_norm, lr))
+        if not skipped:
+            return None
+        steps = f"step {int(bad_step)}" if skipped == 1 else f"steps {int(first_bad)}-{int(bad_step)}"
+        return (f"[skip] {skipped} update{'s' * (skipped > 1)} skipped ({steps}; last: loss {bad_loss:.4g}, grad norm "
+                f"{_fmt(bad_norm)}): not finite ({self.streak} in a row; the run stops at train.max_bad_steps="
+                f"{self.max_bad_steps})")
 
     def diagnosis(self, step: int, loss: float, grad_norm: float | None, lr: float) -> str:
         last = (f"last finite loss {self.last_good[1]:.4f} at step {self.last_good[0]}" if self.last_good

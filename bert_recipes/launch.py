@@ -57,7 +57,8 @@ class Filter:
                     self.rank_code = int(found.group(1))
             if not self.holding and self.rank_said and REPORT_START.search(plain):
                 self.holding = True
-            if self.holding and not RANK_LINE.search(plain):   # a rank's own line always goes through
+            # the launcher reports on stderr; stdout and a rank's own line always go through
+            if self.holding and out is not sys.stdout and not RANK_LINE.search(plain):
                 found = ROOT_CAUSE_CODE.search(plain)
                 if found:
                     self.root_code = int(found.group(1))

@@ -115,10 +115,13 @@ class Workload:
     masked_tokens: int | None = None   # mlm: rows of the sparse head; None: mlm_probability x tokens
     mlm_probability: float = 0.15
     padded: bool = False               # some attention_mask zeros (dynamic padding): sdpa gets a mask
-    dropout_impl: str = "auto"         # model.dropout_impl: packed masks (bool) on CPU, torch's on GPU
+    dropout_impl: str = "torch"        # model.dropout_impl
+    compile: bool = False              # train.compile (keeps torch's dropout)
+    static_head: bool = False          # mlm: K position slots a sequence (data.max_predictions_per_seq)
 
     def packed_dropout(self, device: str) -> bool:
-        return self.dropout_impl == "packed" or (self.dropout_impl == "auto" and device == "cpu")
+        from .dropout import packed_dropout_here
+        return packed_dropout_here(self.dropout_impl, self.compile, device)
 
     @property
     def predicted_rows(self) -> int:
@@ -219,7 +222,9 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
                 + R * lin                               # decoder input
                 + rows * shape.vocab * 4                # log-softmax output (the loss is fp32)
                 + rows * 8 + 4)                         # labels, loss
-        if work.sparse_head:
+        if work.static_head:   # gather keeps the whole last hidden state (for its shape) and the K slots' index
+            head += B * res + rows * 8 + 8
+        elif work.sparse_head:
             head += tokens                              # the bool selection of masked positions
     else:
         c = shape.num_labels
@@ -242,11 +247,15 @@ def workload_of(cfg, config=None, micro_batch: int | None = None, masked_tokens:
     hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else getattr(config, "hidden_dropout_prob", 0.1)
     attention = (m.attention_probs_dropout_prob if m.attention_probs_dropout_prob is not None
                  else getattr(config, "attention_probs_dropout_prob", 0.1))
-    return Workload(batch=micro_batch or cfg.train.micro_batch_size, seq=cfg.data.max_seq_length,
+    from .config import predictions_per_seq
+    batch, k = micro_batch or cfg.train.micro_batch_size, predictions_per_seq(cfg)
+    if k is not None and masked_tokens is None:   # the static head: K slots a sequence, every one computed
+        masked_tokens = batch * k
+    return Workload(batch=batch, seq=cfg.data.max_seq_length, static_head=k is not None,
                     hidden_dropout=hidden, attention_dropout=attention, attn_implementation=m.attn_implementation,
                     sparse_head=m.sparse_mlm_head, masked_tokens=masked_tokens,
                     mlm_probability=cfg.data.mlm_probability, padded=cfg.task.kind == "classification",
-                    dropout_impl=m.dropout_impl)
+                    dropout_impl=m.dropout_impl, compile=cfg.train.compile)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -539,3 +548,43 @@ def predict_run(cfg, model_config, plan, world: int, device: str, accum: int = 1
 def describe_plan(plan: Plan) -> str:
     return (f"params {fmt(plan.parameters)}, grads {fmt(plan.gradients)}, optimizer {fmt(plan.optimizer)}, "
             f"activations {fmt(plan.activations)}, temporary {fmt(plan.temporary)} = peak {fmt(plan.peak)}")
+
+
+# ----------------------------------------------------------------------------- train.micro_batch_size: auto
+MARGIN_SHARE, MARGIN_BYTES = 0.10, 2 * 2 ** 30   # kept free: fragmentation, NCCL buffers, compile's pools
+
+
+def auto_micro_batch(cfg, model_config, plan, world: int, free_bytes: int, total_bytes: int) -> tuple[int, str]:
+    """The largest micro batch that divides global batch / data-parallel ranks and whose predicted peak
+    (this planner: within 10% of an H200's measured peaks at micro 32, not checked at larger batches)
+    fits `free_bytes` less a margin of 10% of the GPU and 2 GiB (the CUDA context is already outside
+    free memory). -> (micro batch, the one-line reason). Pure arithmetic: the run passes what
+    torch.cuda.mem_get_info() says."""
+    import copy
+
+    from .backend import pipeline_replicas
+    from .config import ConfigError
+    replicas = pipeline_replicas(plan, world)
+    per_rank = cfg.train.global_batch_size // replicas
+    if cfg.train.global_batch_size % replicas:
+        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by the "
+                          f"{replicas} data-parallel ranks: train.micro_batch_size=auto needs a global batch that is")
+    budget = free_bytes - MARGIN_SHARE * total_bytes - MARGIN_BYTES
+    tried = []
+    for micro in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
+        trial = copy.deepcopy(cfg)
+        trial.train.micro_batch_size = micro
+        predicted = predict_run(trial, model_config, plan, world, "cuda", per_rank // micro)
+        if predicted is None:
+            raise ConfigError(f"train.micro_batch_size=auto: the memory planner does not model the {plan.name} "
+                              "backend; set a number (make memory estimates it)")
+        if predicted.peak <= budget:
+            bigger = f"; {tried[-1][0]} would need {fmt(tried[-1][1])}" if tried else " (the whole per-rank batch)"
+            return micro, (f"[config] train.micro_batch_size=auto -> {micro}: the largest divisor of {per_rank} (global "
+                           f"{cfg.train.global_batch_size} / {replicas} ranks) whose predicted peak, {fmt(predicted.peak)}, "
+                           f"fits {fmt(free_bytes)} free less a margin of {MARGIN_SHARE:.0%} of {fmt(total_bytes)} "
+                           f"and {fmt(MARGIN_BYTES)}{bigger}; accumulation {per_rank // micro}")
+        tried.append((micro, predicted.peak))
+    raise ConfigError(f"train.micro_batch_size=auto: even a micro batch of 1 is predicted to need {fmt(tried[-1][1])}, "
+                      f"more than the {fmt(max(budget, 0))} usable of {fmt(free_bytes)} free on this GPU; see make "
+                      "memory for a backend or gradient checkpointing that fits")

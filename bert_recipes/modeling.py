@@ -38,6 +38,13 @@ def per_sample_mlm_loss(logits, labels):
     return sums, selected.sum(1), correct
 
 
+def slot_labels(labels, masked_positions):
+    """The labels of the K position slots (data.MLMCollator): the chosen tokens' labels, then -100 for
+    the unused slots (which point at position 0, possibly a chosen token: counted once, not twice)."""
+    used = torch.arange(masked_positions.size(1), device=labels.device) < (labels != -100).sum(1, keepdim=True)
+    return labels.gather(1, masked_positions).masked_fill(~used, -100)
+
+
 class RecipeBertForMaskedLM(BertForMaskedLM):
     """BertForMaskedLM with two changes that leave the maths and the exported weights alone:
 
@@ -77,8 +84,7 @@ class RecipeBertForMaskedLM(BertForMaskedLM):
             # shapes every step. The loss is the one of the boolean path: the same tokens, the same mean.
             index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
             logits = self.head(hidden.gather(1, index))                        # (batch, K, vocab)
-            used = torch.arange(masked_positions.size(1), device=labels.device) < (labels != -100).sum(1, keepdim=True)
-            targets = labels.gather(1, masked_positions).masked_fill(~used, -100)
+            targets = slot_labels(labels, masked_positions)
             return MaskedLMOutput(loss=masked_lm_loss(logits.view(-1, logits.size(-1)), targets.view(-1)),
                                   logits=logits)
         if self.sparse_head:
@@ -203,9 +209,10 @@ def _transformers_quiet():
     return quiet()
 
 
-def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None):
+def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None, packed_dropout: bool = False):
     """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig
-    (`config`, when given, instead of one derived from the tokenizer)."""
+    (`config`, when given, instead of one derived from the tokenizer), with the recipe's attention
+    (bert_recipes.dropout; packed_dropout: dropout.packed_dropout_here's answer for this run)."""
     from transformers import BertForSequenceClassification
 
     if config is None:
@@ -220,9 +227,8 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
         model = (RecipeBertForMaskedLM if task.kind == "mlm" else BertForSequenceClassification)(config)
     if task.kind == "mlm":
         model.sparse_head = model_cfg.sparse_mlm_head
-    if model_cfg.dropout_impl != "torch":
-        from .dropout import use_packed_dropout
-        use_packed_dropout(model, model_cfg.dropout_impl)
+    from .dropout import use_recipe_attention
+    use_recipe_attention(model, packed_dropout)
     if model_cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -43,7 +43,11 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update of every parameter; none where `self.found_inf` (a 0-d tensor, set by the engine
+        for a non-finite step) is non-zero: the moments, the step count and the weights keep their
+        values, decided on the device (as torch's fused AdamW does with the same attribute)."""
         loss = closure() if closure is not None else None
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -51,19 +55,23 @@ class Lamb(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
+                    state["step"] = torch.zeros((), dtype=torch.float64, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
+                if not torch.is_tensor(state["step"]):   # a checkpoint from before the step became a tensor
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float64, device=p.device)
+                keep = 1.0 if found_inf is None else (found_inf.to(p.device) == 0).to(p.dtype)
+                state["step"] += keep
                 m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m.lerp_(torch.lerp(m, p.grad, 1 - beta1), keep)                 # m <- beta1 m + (1 - beta1) g
+                v.lerp_(torch.lerp(v, p.grad * p.grad, 1 - beta2), keep)        # (where kept)
+                t = t.clamp(min=1)   # a first step that was skipped leaves t = 0: no division by zero
                 update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + group["eps"])
                 if group["weight_decay"]:
                     update.add_(p, alpha=group["weight_decay"])
                 w_norm, u_norm = p.norm(), update.norm()
                 trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.add_(update * (-group["lr"] * trust))   # no host sync: the ratio stays a tensor
+                p.add_(update * (-group["lr"] * trust * keep))   # no host sync: the ratio stays a tensor
         return loss
 
 

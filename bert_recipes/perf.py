@@ -93,6 +93,31 @@ def measured_cpu_peak(dtype=torch.float32, size: int = 1024, repeats: int = 5) -
     return peak
 
 
+def measured_matmul_peak(device: torch.device, dtype=torch.float32) -> float:
+    """Best matmul FLOP/s of one device now: the cached CPU figure, or on a GPU 8192^3 matmuls in `dtype`
+    (fp32 runs on TF32 tensor cores when torch allows it, as train.tf32 does)."""
+    if device.type != "cuda":
+        return measured_cpu_peak(dtype)
+    n = 8192
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        a @ b
+        torch.cuda.synchronize(device)
+        best = float("inf")
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1000)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return 2 * n ** 3 / best
+
+
 def peak_flops(device: torch.device, mixed_precision: str, tf32: bool = True) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the figure comes from)."""
     if device.type == "cuda":
@@ -152,3 +177,138 @@ def peak_memory_gb(all_sum, rank: int, world: int, device, on_gpu: bool) -> list
     local = torch.zeros(world, dtype=torch.float64, device=device)
     local[rank] = torch.cuda.max_memory_allocated() / 1e9
     return all_sum(local).tolist()
+
+
+# ---------------------------------------------------------------------------- host syncs (logging.sync_audit)
+# The tensor calls that make the host wait until a GPU has computed the value: reading it (item,
+# tolist, bool/float/int of a tensor, formatting it, copying it to the host) or an output whose size
+# depends on its values (nonzero, boolean-mask indexing, masked_select, unique).
+SYNC_CALLS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__format__", "__repr__", "cpu",
+              "numpy", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "repeat_interleave"}
+# Call sites whose tensors are on the host in a GPU run too, so their calls wait for nothing: the
+# collator (before the batch is copied to the device), torch's CPU optimizer kernels (host scalars such
+# as the step count), the data loader, and the stop agreement's gloo tensor. Matched against
+# "<file> <function's qualified name>".
+HOST_SITES = ("bert_recipes/data.py ", "torch/optim/", "torch/utils/data/", "bert_recipes/guard.py StopAgreement.")
+
+
+def _bool_index(args) -> bool:
+    index = args[1] if len(args) > 1 else None
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+_REPO = str(Path(__file__).resolve().parents[1]) + "/"
+
+
+def _where(frame) -> str:
+    name = frame.f_code.co_filename.replace(os.sep, "/").split("/site-packages/")[-1].removeprefix(_REPO)
+    return f"{name}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _site(frame) -> tuple[str, bool]:
+    """(the first call site outside torch, as "file:line function", followed by its caller when both
+    are in one library (DeepSpeed's helper and the step that called it); whether it is host-only work)."""
+    host = False
+    while frame is not None:
+        name = frame.f_code.co_filename.replace(os.sep, "/")
+        host = host or any(part in f"{name} {frame.f_code.co_qualname}" for part in HOST_SITES)
+        if "/torch/" not in name:
+            site, caller = _where(frame), frame.f_back
+            library = name.split("/site-packages/")[-1].split("/")[0] if "/site-packages/" in name else None
+            if library and caller is not None and f"/site-packages/{library}/" in caller.f_code.co_filename:
+                site += f" <- {_where(caller)}"
+            return site, host
+        frame = frame.f_back
+    return "torch", host
+
+
+# The host waits DeepSpeed's own step makes, with the line that causes each (DeepSpeed 0.19.8): they are
+# inside its optimizer step, which this repository does not change. Matched by file and function.
+DEEPSPEED_SYNCS = {
+    "deepspeed/runtime/utils.py is_invalid_grad_norm":
+        "`bool((~torch.isfinite(norm) | (norm < 0)).any())` (runtime/utils.py:233): ZeRO-1/2's step "
+        "(stage_1_and_2.py:3043) and its clipping (unscale_and_clip_grads, :3203), ZeRO-3's step (stage3.py:2888) "
+        "skip a step whose gradient norm is not finite",
+    "deepspeed/runtime/zero/stage_1_and_2.py complete_grad_norm_calculation_for_cpu_offload":
+        "ZeRO-1/2 with offload_optimizer: each parameter's gradient norm read with .item() (:1929, :1949)",
+    "deepspeed/runtime/zero/stage3.py complete_grad_norm_calculation_for_cpu_offload":
+        "ZeRO-3 with offload_optimizer: the gradient norms read on the host (stage3.py:1989, :2003)",
+    "deepspeed/runtime/zero/stage_1_and_2.py update_offload_overflow_tracker":
+        "ZeRO-1/2 with offload_optimizer: an overflow flag read per parameter gradient (:1792)",
+    "deepspeed/runtime/zero/utils.py get_lst_from_rank0":
+        "ZeRO-3, first steps only: partitioned_param_coordinator.py's reset_step checks, until its parameter "
+        "trace is complete, that every rank recorded the same module and parameter order (zero/utils.py:110)",
+    "deepspeed/runtime/zero/utils.py <listcomp>": "the same check (the list comprehension inside get_lst_from_rank0)",
+    "deepspeed/runtime/zero/utils.py assert_lst_len_same_as_other_ranks": "the same check (zero/utils.py:90)",
+}
+
+
+def allowed_deepspeed_sync(site: str) -> bool:
+    file_and_function = site.split(" [")[0].split(" <- ")[0]
+    file, function = file_and_function.split(":")[0], file_and_function.split(" ")[-1]
+    return f"{file} {function}" in DEEPSPEED_SYNCS
+
+
+class SyncAudit:
+    """Counts, while it is entered, the calls that would make the host wait for a GPU (SYNC_CALLS,
+    boolean-mask indexing, and torch.cuda / DeepSpeed `synchronize`), by call site. On a CPU the same
+    calls return at once, but they are the same calls: a sync-free step on the CPU is a sync-free step
+    on a GPU, and a call site named here is one a GPU run waits at. Host-only work (HOST_SITES) is
+    left out. On a GPU, torch.cuda.set_sync_debug_mode("warn") reports the syncs torch itself sees."""
+
+    def __init__(self):
+        from collections import Counter
+        self.sites = Counter()     # over the run
+        self.window = 0            # since the last read_window()
+        self.mode = None
+        self.patched = []
+
+    def _count(self, site: str) -> None:
+        self.sites[site] += 1
+        self.window += 1
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+        import sys
+        audit = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in SYNC_CALLS or (name == "__getitem__" and _bool_index(args)) or \
+                        (name == "where" and len(args) == 1 and not kwargs):
+                    site, host = _site(sys._getframe(1))
+                    if not host:
+                        audit._count(f"{site} [{name}]")
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        self.mode.__enter__()
+        self._patch_synchronize()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for owner, attr, original in self.patched:
+            setattr(owner, attr, original)
+        self.patched = []
+        return False
+
+    def _patch_synchronize(self):
+        import sys
+        targets = [(torch.cuda, "synchronize")]
+        if "deepspeed" in sys.modules:   # DeepSpeed's accelerator (its throughput timer, its optimizer steps)
+            from deepspeed.accelerator import get_accelerator
+            targets.append((get_accelerator(), "synchronize"))
+        for owner, attr in targets:
+            original = getattr(owner, attr)
+
+            def counted(*args, _original=original, **kwargs):
+                self._count(f"{_site(sys._getframe(1))[0]} [synchronize]")
+                return _original(*args, **kwargs)
+            setattr(owner, attr, counted)
+            self.patched.append((owner, attr, original))
+
+    def read_window(self) -> int:
+        count, self.window = self.window, 0
+        return count

@@ -350,10 +350,11 @@ class PipelineEngine:
 
     def train_step(self, batches):
         """`accum` micro batches through the pipeline (the first and last stages read them; DeepSpeed
-        clips, steps and schedules). -> (mean loss over the global batch, grad norm, applied)."""
+        clips, steps and schedules)."""
         loss = self.engine.train_batch(data_iter=map(_as_inputs, batches))
-        # ZeRO-1 (ds_configs/pipeline.json) skips a step whose gradient norm is not finite
-        return loss, self.engine.get_global_grad_norm(), self.engine.was_step_applied()
+        # ZeRO-1 (ds_configs/pipeline.json) skips a step whose gradient norm is not finite (a host
+        # decision inside DeepSpeed's step); -> (loss, grad norm, skipped, fp16 overflow)
+        return loss, self.engine.get_global_grad_norm(), not self.engine.was_step_applied(), False
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -483,4 +484,5 @@ def set_rng_state(state: dict) -> None:
 def _as_inputs(batch: dict):
     """A collated batch as the pipeline passes it: ((input_ids, attention_mask, token_type_ids), labels)."""
     ids = batch["input_ids"]
-    return (ids, batch["attention_mask"], batch.get("token_type_ids", torch.zeros_like(ids))), batch["labels"]
+    return (ids, batch.get("attention_mask", torch.ones_like(ids)), batch.get("token_type_ids", torch.zeros_like(ids))), \
+        batch["labels"]

@@ -44,18 +44,66 @@ def check_paths(cfg: Config) -> None:
 
 def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) -> list[str]:
     """Every check that needs no data, model or process group; raises ConfigError naming the field.
-    Fills the settings `resolve` derives. -> the notes to print once the run starts."""
+    Fills the settings `resolve` derives and train.micro_batch_size=auto. -> the notes to print once
+    the run starts."""
     validate(cfg)
-    notes = resolve(cfg)
+    notes = resolve(cfg) + choose_micro_batch(cfg, plan, world_size, env)
     # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
     notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
     check_paths(cfg)
     check_trackers(cfg.logging.trackers)
     on_gpu = decide_on_gpu(plan, env)
+    if on_gpu and cfg.model.dropout_impl == "packed":
+        raise ConfigError("model.dropout_impl=packed is for CPUs (it replaces a CPU's slow serial dropout masks); "
+                          "on GPUs torch's fused dropout is the fast one: use model.dropout_impl=torch")
     replicas = pipeline_replicas(plan, world_size)
     check_consistency(cfg, plan, replicas, grad_accum_steps(cfg.train, replicas), on_gpu,
                       local_capability() if on_gpu else None)
     return notes
+
+
+def choose_micro_batch(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) -> list[str]:
+    """train.micro_batch_size=auto, decided once before anything is built (bert_recipes.memory.auto_micro_batch,
+    from this GPU's free memory), or taken from the checkpoint a run resumes. -> the note saying why."""
+    if cfg.train.micro_batch_size != "auto":
+        return []
+    if not decide_on_gpu(plan, env):
+        raise ConfigError("train.micro_batch_size=auto sizes the batch from a GPU's free memory; on CPU processes set "
+                          "a number, e.g. --train.micro_batch_size=32")
+    saved = resumed_setting(cfg, "train", "micro_batch_size")
+    if isinstance(saved, int):
+        cfg.train.micro_batch_size = saved
+        return [f"[config] train.micro_batch_size=auto -> {saved}: the value of the checkpoint being resumed"]
+    import torch
+
+    from .memory import auto_micro_batch
+    from .modeling import model_config
+    free, total = torch.cuda.mem_get_info(int(env.get("LOCAL_RANK", "0")))
+    config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
+    cfg.train.micro_batch_size, note = auto_micro_batch(cfg, config, plan, world_size, free, total)
+    return [note]
+
+
+def resumed_setting(cfg: Config, section: str, key: str):
+    """A setting of the checkpoint this run resumes (checkpoint.resume: auto, or a path), or None."""
+    import yaml
+
+    from .checkpoint import CONFIG_FILE, complete_checkpoints
+    resume = cfg.checkpoint.resume
+    found = complete_checkpoints(cfg.run.output_dir)[-1:] if resume == "auto" else [Path(resume)] if resume else []
+    if not found or not (found[0] / CONFIG_FILE).is_file():
+        return None
+    return (yaml.safe_load((found[0] / CONFIG_FILE).read_text()) or {}).get(section, {}).get(key)
+
+
+def same_on_every_rank(value: int, group, key: str) -> None:
+    """A setting each rank decided alone (train.micro_batch_size=auto, from its own GPU's memory) must
+    agree: the smallest is the one to set when it does not."""
+    from .guard import all_max
+    high, low = all_max([value, -value], group)
+    if high != -low:
+        raise ConfigError(f"{key}=auto: the ranks' GPUs allow different values ({int(-low)} to {int(high)}); set "
+                          f"--{key}={int(-low)}")
 
 
 def launch_plan(config_file: str, env=os.environ) -> LaunchPlan:

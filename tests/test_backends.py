@@ -24,7 +24,7 @@ WEIGHT_TOL = 1e-5
 
 def common(shared_tokenizer, **extra):
     return {**NO_DROPOUT, "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": STEPS,
-            "train.eval_every": 8, "checkpoint.save_every": 8, **extra}
+            "train.eval_every": 8, "checkpoint.save_every": 8, "logging.sync_audit": True, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +178,26 @@ def test_zero3_nvme_parameters_stay_fp32(tmp_path, sample_dir, datasets_cache, s
     backend = metrics["final"]["backend"]
     assert backend["param_dtypes"] == ["torch.float32"] and backend["params_on_nvme"] >= 4, backend
     assert sorted(seen.values()) == [2 * MIB] * 8, seen
+
+
+@pytest.mark.parametrize("name", ["ddp", "multinode", "fsdp", "zero1", "zero2", "zero2-offload", "zero3",
+                                  "zero3-offload", "pipeline"])
+def test_no_host_waits_between_log_steps(name, row_run):
+    """logging.sync_audit (bert_recipes.perf.SyncAudit) counts, in the steps between log steps, every call
+    that would make the host wait for a GPU (a tensor read as a number or copied to the host, a boolean-
+    mask index, synchronize). None under DDP (one node or two) and FSDP2: the loss, the counts and the
+    skip decisions stay on the device. Under DeepSpeed only its own step's, each named with its line in
+    perf.DEEPSPEED_SYNCS."""
+    from bert_recipes.perf import allowed_deepspeed_sync
+    _, metrics = row_run(name)
+    sites = metrics["final"]["sync_audit"]
+    per_window = [row["host_syncs"] for row in metrics["history"]["train"]]
+    print(f"[host waits] {name}: {per_window} per {metrics['config']['logging/log_every']} steps; {sites}")
+    assert len(per_window) == STEPS // 4 and all(count >= 0 for count in per_window)
+    if ROWS[name].plan.kind in ("ddp", "fsdp"):
+        assert sites == {} and set(per_window) == {0}, sites
+    else:
+        assert sites and all(allowed_deepspeed_sync(site) for site in sites), sites
 
 
 def test_fsdp_row(row_run, ddp_reference):

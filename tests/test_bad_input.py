@@ -153,6 +153,8 @@ CASES = [
      "is a file, so the directory cannot be created there"),
     ("tokenizer directory that does not exist", lambda c, m: c.args(**{"tokenizer.name_or_path": "/no/such/tokenizer"}),
      "tokenizer.name_or_path=/no/such/tokenizer: cannot load it: no such directory"),
+    ("an automatic micro batch on a CPU", lambda c, m: c.args(**{"train.micro_batch_size": "auto"}),
+     "train.micro_batch_size=auto sizes the batch from a GPU's free memory; on CPU processes set a number"),
     ("push to the Hub without a repository", lambda c, m: c.args(**{"checkpoint.push_to_hub": "true"}),
      "checkpoint.push_to_hub needs checkpoint.hub_model_id"),
     ("best by a metric the task does not report", lambda c, m: c.args(**{"checkpoint.metric_for_best": "accuracy"}),

@@ -137,6 +137,50 @@ def test_mlm_masking_80_10_10_and_deterministic(tokenizer):
     assert not torch.equal(collate(examples)["input_ids"], batch["input_ids"])
 
 
+def test_k_predictions_a_sequence_as_static_positions(tokenizer):
+    """data.max_predictions_per_seq=K: exactly min(K, round(0.15 x tokens)) chosen tokens a row, and the K
+    slots list them in position order, the unused slots at 0. Packed rows of one length are stacked
+    without an attention mask (nothing to pad, so no mask for the model to build)."""
+    seq = [tokenizer.cls_token_id] + list(range(10, 10 + 126)) + [tokenizer.sep_token_id]
+    rows = [{"input_ids": seq, "attention_mask": [1] * 128, "token_type_ids": [0] * 128,
+             "special_tokens_mask": [1] + [0] * 126 + [1], "idx": i} for i in range(32)]
+    short = {**rows[0], "input_ids": seq[:20], "attention_mask": [1] * 20, "token_type_ids": [0] * 20,
+             "special_tokens_mask": [1] + [0] * 19, "idx": 99}   # 19 tokens: round(0.15 x 19) = 3
+    collate = MLMCollator(tokenizer, 0.15, seed=3, max_predictions=19)
+    packed = collate(rows)
+    assert "attention_mask" not in packed and packed["input_ids"].shape == (32, 128)
+    chosen = packed["labels"] != -100
+    assert (chosen.sum(1) == 19).all() and not chosen[:, [0, -1]].any()
+    slots = packed["masked_positions"]
+    assert slots.shape == (32, 19) and torch.equal(chosen.nonzero()[:, 1].view(32, 19), slots)
+    padded = collate(rows[:3] + [short])
+    assert "attention_mask" in padded and (padded["labels"][3] != -100).sum() == 3
+    assert padded["masked_positions"][3, 3:].eq(0).all() and padded["masked_positions"][3, :3].gt(0).all()
+    collate.epoch = 1
+    assert not torch.equal(collate(rows)["masked_positions"], slots)   # another epoch, other masks
+
+
+def test_masks_are_the_same_with_persistent_workers_and_change_with_the_epoch(tokenizer):
+    """Workers read the collator's epoch from shared memory: with persistent workers (kept across
+    epochs) each epoch's batches equal those collated in the main process, and differ between epochs."""
+    from torch.utils.data import DataLoader
+    seq = [tokenizer.cls_token_id] + list(range(10, 10 + 62)) + [tokenizer.sep_token_id]
+    rows = [{"input_ids": seq, "token_type_ids": [0] * 64, "special_tokens_mask": [1] + [0] * 62 + [1]}
+            for _ in range(16)]
+    data = Indexed(rows)
+    main_process = MLMCollator(tokenizer, 0.15, seed=5, max_predictions=10)
+    collate = MLMCollator(tokenizer, 0.15, seed=5, max_predictions=10)
+    loader = DataLoader(data, batch_size=8, collate_fn=collate, num_workers=2, persistent_workers=True)
+    seen = []
+    for epoch in (0, 1):
+        collate.epoch = main_process.epoch = epoch
+        batches = [b["input_ids"] for b in loader]
+        expected = [main_process([data[i] for i in range(j, j + 8)])["input_ids"] for j in (0, 8)]
+        assert all(torch.equal(a, b) for a, b in zip(batches, expected)), epoch
+        seen.append(torch.cat(batches))
+    assert not torch.equal(seen[0], seen[1])
+
+
 def test_classification_with_string_labels(tmp_path, tokenizer):
     rows = [{"sentence": f"good {i}", "other": f"x {i}", "label": "pos"} for i in range(10)] + \
            [{"sentence": f"bad {i}", "other": f"y {i}", "label": "neg"} for i in range(10)]

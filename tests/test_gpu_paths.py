@@ -13,7 +13,8 @@ import torch
 
 from bert_recipes.backend import LaunchPlan, backend_rows, bf16_supported, check_consistency, decide_on_gpu
 from bert_recipes.config import ConfigError, load_config
-from bert_recipes.guard import slow_barrier, update_is_finite
+from bert_recipes.engine import skip_update_if
+from bert_recipes.guard import slow_barrier
 from bert_recipes.perf import gpu_peak
 from conftest import REPO, _port, tiny_args
 
@@ -100,35 +101,54 @@ def test_an_unknown_gpu_reports_nan_mfu_not_a_wrong_one():
     assert value != value and "add it to GPU_PEAK_FLOPS" in source
 
 
-# ----------------------------------------------------------------------------- fp16 skips
+# ----------------------------------------------------------------------------- skipped steps
 def _scaled_step(init_scale: float, engine_path: bool):
-    """One fp16-style step with a real GradScaler. engine_path: as AccelerateEngine.train_step does it
-    (decide, then step or only update the scaler); else the scaler alone decides inside step()."""
+    """One fp16-style step with a real GradScaler and torch's fused AdamW. engine_path: as
+    AccelerateEngine.train_step does it (its own non-finite flag folded into the scaler's, on the
+    device); else the scaler alone decides inside step()."""
+    from types import SimpleNamespace
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     before = [p.detach().clone() for p in model.parameters()]
     loss = (model(torch.full((8, 4), 3.0)) ** 2).mean()
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    finite = update_is_finite(loss.detach(), grad_norm, None)
-    if finite or not engine_path:
-        scaler.step(optimizer)
+    skipped = ~torch.isfinite(loss.detach()) | ~torch.isfinite(grad_norm)
+    if engine_path:
+        assert skip_update_if(SimpleNamespace(optimizer=optimizer), scaler, skipped)
+    scaler.step(optimizer)
     scaler.update()
     moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    return finite, moved, scaler.get_scale()
+    return not bool(skipped), moved, scaler.get_scale()
 
 
 def test_the_skip_decision_agrees_with_the_loss_scaler():
     """An overflowing scale (2^127) makes the unscaled norm inf: the engine's decision skips the step,
-    exactly as the scaler alone would have (weights unchanged), and the scale halves either way, so
-    the schedule (stepped only when applied) waits. A sane scale: applied, weights moved, scale kept."""
+    exactly as the scaler alone would have (weights unchanged), and the scale halves either way. A sane
+    scale: applied, weights moved, scale kept."""
     for engine_path in (True, False):
         assert _scaled_step(2.0 ** 127, engine_path) == (False, False, 2.0 ** 126)
         assert _scaled_step(2.0 ** 10, engine_path) == (True, True, 2.0 ** 10)
-    assert update_is_finite(torch.tensor(float("nan")), torch.tensor(1.0), None) is False
+
+
+@pytest.mark.parametrize("fused, expected_step_call", [(True, True), (False, False)])
+def test_a_non_finite_step_updates_nothing(fused, expected_step_call):
+    """Without a loss scaler: fused AdamW takes the skip as found_inf (weights, moments and step count
+    unchanged, decided on the device: no host wait); the foreach kernel cannot, so the engine reads the
+    flag and does not call step() (the one documented host wait, optim.fused=false)."""
+    from types import SimpleNamespace
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), float("nan"))
+    optimizer = torch.optim.AdamW([p], lr=0.1, fused=True if fused else None, foreach=None if fused else True)
+    step = skip_update_if(SimpleNamespace(optimizer=optimizer), None, torch.tensor(True))
+    assert step is expected_step_call
+    if step:
+        optimizer.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+    assert not optimizer.state or float(optimizer.state[p]["step"]) == 0
 
 
 # ----------------------------------------------------------------------------- timeouts
@@ -213,3 +233,36 @@ def test_a_node_local_output_dir_is_refused(tmp_path, sample_dir, datasets_cache
     assert "exitcode  : 2" in text[0] and "exitcode  : 2" in text[1]
     assert not (tmp_path / "disk0/run").exists() and not (tmp_path / "disk1/run").exists()
     assert not list((tmp_path / "disk0").glob(".run.shared-check-*"))   # rank 0 removed its marker
+
+
+# ----------------------------------------------------------------------------- train.micro_batch_size: auto
+@pytest.mark.parametrize("free_gb, expected", [(140, 32), (19, None), (0.5, "error")])
+def test_the_automatic_micro_batch_is_the_largest_divisor_the_planner_fits(free_gb, expected):
+    """BERT-base at sequence 128 in bf16 under DDP on 8 GPUs, global batch 256: micro batches are the
+    divisors of 32. With an H200's memory free the whole 32 fits; with less, the largest divisor whose
+    predicted peak fits the free memory less the margin, and a one-line reason; with too little, a
+    one-line error naming what to do. (The GPU run confirms the pick with a real step: make bench.)"""
+    from bert_recipes.backend import plan_from_config_file
+    from bert_recipes.config import ConfigError
+    from bert_recipes.memory import MARGIN_BYTES, MARGIN_SHARE, auto_micro_batch, predict_run
+    from bert_recipes.modeling import model_config
+    cfg = load_config(REPO / "recipes/bert-base-mlm-phase1.yaml", ["train.mixed_precision=bf16"])
+    config = model_config(cfg.model, cfg.task, 30522, 0)
+    plan = plan_from_config_file(REPO / "accelerate_configs/8gpu.yaml")
+    total = 141 * 2 ** 30
+    if expected == "error":
+        with pytest.raises(ConfigError, match="even a micro batch of 1 is predicted to need"):
+            auto_micro_batch(cfg, config, plan, 8, int(free_gb * 2 ** 30), total)
+        return
+    micro, note = auto_micro_batch(cfg, config, plan, 8, int(free_gb * 2 ** 30), total)
+    budget = free_gb * 2 ** 30 - MARGIN_SHARE * total - MARGIN_BYTES
+    assert 32 % micro == 0 and note.startswith(f"[config] train.micro_batch_size=auto -> {micro}:")
+
+    def peak(m):
+        cfg.train.micro_batch_size = m
+        return predict_run(cfg, config, plan, 8, "cuda", 32 // m).peak
+    assert peak(micro) <= budget
+    if expected is not None:
+        assert micro == expected
+    else:   # the next larger divisor would not fit
+        assert micro < 32 and peak(next(d for d in (1, 2, 4, 8, 16, 32) if d > micro)) > budget

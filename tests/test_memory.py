@@ -27,7 +27,7 @@ TOLERANCE = 0.10
 
 def tiny_model(task: str, hidden: int, layers: int, heads: int, seq: int, dropout: float, attn_dropout: float,
                attn: str = "sdpa", sparse: bool = True, checkpointing: bool = False, num_labels: int = 3,
-               dropout_impl: str = "auto"):
+               dropout_impl: str = "torch"):
     model_cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                             intermediate_size=4 * hidden, max_position_embeddings=max(64, seq),
                             hidden_dropout_prob=dropout, attention_probs_dropout_prob=attn_dropout,
@@ -35,7 +35,9 @@ def tiny_model(task: str, hidden: int, layers: int, heads: int, seq: int, dropou
                             dropout_impl=dropout_impl)
     task_cfg = TaskConfig(kind=task, num_labels=num_labels)
     config = model_config(model_cfg, task_cfg, vocab_size=500, pad_token_id=0)
-    return build_model(model_cfg, task_cfg, config=config), config
+    from bert_recipes.dropout import packed_dropout_here
+    return build_model(model_cfg, task_cfg, config=config,
+                       packed_dropout=packed_dropout_here(dropout_impl, False, "cpu")), config
 
 
 def tiny_batch(task: str, batch: int, seq: int, vocab: int, masked: int, num_labels: int, padded: bool):
@@ -44,7 +46,8 @@ def tiny_batch(task: str, batch: int, seq: int, vocab: int, masked: int, num_lab
     mask = torch.ones(batch, seq, dtype=torch.long)
     if padded:
         mask[0, seq // 2:] = 0
-    out = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    # as data.MLMCollator: a batch without padding comes without an attention_mask (no mask is built)
+    out = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), **({"attention_mask": mask} if padded else {})}
     if task == "mlm":
         labels = torch.full((batch, seq), -100)
         labels.view(-1)[torch.randperm(batch * seq, generator=gen)[:masked]] = 7
@@ -78,12 +81,12 @@ CASES = [
     ("classification", 32, 2, 2, 4, 32, "autocast", "sdpa", 0.1, 0.1, True, False, True, 2),
     ("classification", 64, 2, 4, 4, 32, "half", "sdpa", 0.1, 0.1, True, False, False, 1),
     ("classification", 64, 2, 4, 4, 32, "fp32", "eager", 0.0, 0.0, True, False, True, 1),
-    # model.dropout_impl=torch: torch's CPU dropout (masks in the input's dtype, sdpa's fp32 math path)
-    ("mlm", 32, 2, 2, 4, 32, "fp32", "sdpa", 0.1, 0.1, True, False, False, 3, "torch"),
-    ("mlm", 64, 2, 4, 4, 64, "autocast", "sdpa", 0.1, 0.1, True, False, False, 3, "torch"),
-    ("classification", 32, 2, 2, 4, 32, "autocast", "sdpa", 0.1, 0.1, True, False, True, 2, "torch"),
-    ("mlm", 64, 3, 4, 4, 64, "fp32", "sdpa", 0.1, 0.1, True, True, False, 3, "torch"),
-    # model.dropout_impl=packed, the default on CPU: also with padding in half precision
+    # (the cases above: model.dropout_impl=torch, the default: torch's CPU dropout, masks in the input's
+    # dtype, sdpa's fp32 math path) model.dropout_impl=packed, the CPU opt-in: also with padding in half precision
+    ("mlm", 32, 2, 2, 4, 32, "fp32", "sdpa", 0.1, 0.1, True, False, False, 3, "packed"),
+    ("mlm", 64, 2, 4, 4, 64, "autocast", "sdpa", 0.1, 0.1, True, False, False, 3, "packed"),
+    ("classification", 32, 2, 2, 4, 32, "autocast", "sdpa", 0.1, 0.1, True, False, True, 2, "packed"),
+    ("mlm", 64, 3, 4, 4, 64, "fp32", "sdpa", 0.1, 0.1, True, True, False, 3, "packed"),
     ("classification", 64, 2, 4, 4, 32, "half", "sdpa", 0.1, 0.1, True, False, True, 1, "packed"),
 ]
 
@@ -91,7 +94,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_activation_estimate_matches_saved_tensors(case):
     task, hidden, layers, heads, batch, seq, precision, attn, p, p_attn, sparse, ckpt, padded, labels, *impl = case
-    impl = impl[0] if impl else "auto"
+    impl = impl[0] if impl else "torch"
     torch.manual_seed(0)
     model, config = tiny_model(task, hidden, layers, heads, seq, p, p_attn, attn, sparse, ckpt, labels, impl)
     if precision == "half":
@@ -112,6 +115,32 @@ def test_activation_estimate_matches_saved_tensors(case):
     if precision == "autocast" and not ckpt:   # the weight copies autocast saves are part of the temporary estimate
         casts = shape.autocast_cast_params * 2
         assert got["weight_casts"] <= casts <= (1 + TOLERANCE) * got["weight_casts"]
+
+
+@pytest.mark.parametrize("precision, k", [("fp32", 5), ("autocast", 5), ("half", 7)])
+def test_activation_estimate_of_the_static_mlm_head(precision, k):
+    """The default MLM head (data.max_predictions_per_seq): K position slots a sequence, the used ones
+    first, the rest pointing at position 0 and ignored by the loss; the head runs on batch x K rows."""
+    torch.manual_seed(0)
+    batch, seq = 4, 32
+    model, config = tiny_model("mlm", 64, 2, 4, seq, 0.1, 0.1)
+    if precision == "half":
+        model.to(torch.bfloat16)
+    model.train()
+    data = tiny_batch("mlm", batch, seq, config.vocab_size, 0, 3, False)
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.stack([torch.randperm(seq, generator=gen)[:k].sort().values for _ in range(batch)])
+    positions[0, k - 2:] = 0                                  # two unused slots in the first row
+    labels = torch.full((batch, seq), -100)
+    for row in range(batch):
+        used = positions[row][:k - 2] if row == 0 else positions[row]
+        labels[row, used] = 7
+    data.update(labels=labels, masked_positions=positions)
+    got = measure_activations(model, data, torch.bfloat16 if precision == "autocast" else None)
+    work = Workload(batch=batch, seq=seq, masked_tokens=batch * k, static_head=True)
+    estimate = activation_bytes(Shape.from_config(config, "mlm"), work, precision, "cpu")
+    print(f"[activations] static head {precision} K={k}: estimate {estimate['total']:,} measured {got['activations']:,}")
+    assert abs(estimate["total"] - got["activations"]) <= 16, (estimate["total"], got["activations"])
 
 
 @pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1)])

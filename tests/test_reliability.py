@@ -250,7 +250,7 @@ def test_a_poison_batch_is_skipped_and_training_goes_on(backend, tmp_path, sampl
     assert final["num_processes"] == 2 and final["backend"]["name"] == backend
     assert final["steps"] == 16 and final["skipped_steps"] == 1, final
     log = (tmp_path / "run.log").read_text()
-    assert log.count("[skip] step") == 1 and "update skipped (1 in a row" in log
+    assert log.count("[skip] ") == 1 and "[skip] 1 update skipped (step " in log and "(1 in a row;" in log
     rows = metrics["history"]["train"]
     assert sum(1 for r in rows if r["loss"] != r["loss"] or abs(r["loss"]) == float("inf")) == 1
     assert all(abs(r["loss"]) < 1e6 for r in rows[-4:]) and final["eval_loss"] == final["eval_loss"]

@@ -100,7 +100,7 @@ def test_packed_dropout_keeps_one_minus_p_and_the_expectation():
 
 
 def test_packed_attention_is_sdpas_math_path_with_that_mask():
-    """The attention used with model.dropout_impl on CPU equals torch's own SDPA math kernel fed the same
+    """The attention used with model.dropout_impl=packed equals torch's own SDPA math kernel fed the same
     dropout mask (aten._scaled_dot_product_attention_math), padding included; without dropout it is
     transformers' sdpa."""
     from types import SimpleNamespace
@@ -110,7 +110,7 @@ def test_packed_attention_is_sdpas_math_path_with_that_mask():
     q, k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(3))
     attend = torch.ones(2, 1, 16, 16, dtype=torch.bool)
     attend[1, :, :, 11:] = False                       # the second sequence: 5 padded positions
-    module = SimpleNamespace(training=True, is_causal=False, dropout_impl="auto")
+    module = SimpleNamespace(training=True, is_causal=False, packed_dropout=True)
     torch.manual_seed(5)
     ours, _ = attention(module, q, k, v, attend, dropout=0.1, scaling=0.3)
     torch.manual_seed(5)
@@ -127,20 +127,23 @@ def test_packed_attention_is_sdpas_math_path_with_that_mask():
         q, k, v, attend, scale=0.3).transpose(1, 2))
 
 
-def test_a_model_with_packed_dropout_masks_padding_and_exports_plain_sdpa(tmp_path):
-    """The swapped model still builds its padding mask (transformers builds none for an attention name
-    it has no mask function for): in training, with dropout on, a padded token changes nothing at the
-    real positions. Its export has no trace of the swap: it loads as a plain model with sdpa."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_recipes_attention_masks_padding_and_exports_plain_sdpa(packed, tmp_path):
+    """The recipe's attention (bert_recipes.dropout: its own mask function, which never reads the mask on
+    the host; packed dropout masks or torch's) still builds the padding mask (transformers builds none
+    for an attention name it has no mask function for): in training, with dropout on, a padded token
+    changes nothing at the real positions, and without padding there is no mask at all. Its export has
+    no trace of it: it loads as a plain model with sdpa."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from bert_recipes.dropout import ATTENTION, PackedDropout, use_packed_dropout
+    from bert_recipes.dropout import ATTENTION, PackedDropout, padding_mask, use_recipe_attention
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
                                                      num_attention_heads=2, intermediate_size=64))
-    swapped = use_packed_dropout(model, "auto")
-    assert swapped == 8 and model.config._attn_implementation == ATTENTION   # embeddings, 3 per layer, classifier
-    assert all(type(m) is not torch.nn.Dropout for m in model.modules())
-    assert sum(isinstance(m, PackedDropout) for m in model.modules()) == 8
+    swapped = use_recipe_attention(model, packed)
+    assert model.config._attn_implementation == ATTENTION
+    assert swapped == (8 if packed else 0)   # embeddings, 3 per layer, classifier
+    assert sum(isinstance(m, PackedDropout) for m in model.modules()) == swapped
     model.train()
     ids = torch.randint(5, 100, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -152,13 +155,14 @@ def test_a_model_with_packed_dropout_masks_padding_and_exports_plain_sdpa(tmp_pa
         outputs.append(model.bert(ids, attention_mask=mask).last_hidden_state)
     torch.testing.assert_close(outputs[0][0], outputs[1][0])
     torch.testing.assert_close(outputs[0][1, :8], outputs[1][1, :8])
+    assert padding_mask(2, 12, 12, attention_mask=None) is None
     model.save_pretrained(tmp_path / "export")
-    assert "sdpa_packed" not in (tmp_path / "export/config.json").read_text()
+    assert ATTENTION not in (tmp_path / "export/config.json").read_text()
     loaded = BertForSequenceClassification.from_pretrained(tmp_path / "export")
     assert loaded.config._attn_implementation == "sdpa"
     decoder = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
                                                        num_attention_heads=2, intermediate_size=64, is_decoder=True))
-    use_packed_dropout(decoder, "auto")   # causal attention: transformers' sdpa, only the dropout modules swap
+    use_recipe_attention(decoder, packed)   # causal attention: transformers' sdpa, only the dropout modules swap
     assert decoder.config._attn_implementation == "sdpa"
 
 
@@ -348,10 +352,11 @@ def test_offload_steps_with_deepspeeds_cpu_adam_built_from_the_recipe(tmp_path, 
 
 # ----------------------------------------------------------------------------- make bench
 def test_bench_smoke_writes_the_table_and_the_chart(tmp_path):
-    """Not a speed test: the table has its rows and every number is finite. Five of the rows (--rows):
+    """Not a speed test: the table has its rows, every number is finite, and each run was written down as
+    it finished (bench.jsonl). Five of the rows (--rows):
     the compile row alone would double the time, and train.compile has its own test above."""
     out = tmp_path / "bench"
-    rows = "mlm: train.py|mlm: Trainer|mlm: train.py, torch dropout|classify: train.py|classify: Trainer"
+    rows = "mlm: train.py|mlm: Trainer|mlm: train.py, packed dropout|classify: train.py|classify: Trainer"
     proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--steps", "6", "--classify-steps", "6",
                            "--warmup", "2", "--repeats", "1", "--precisions", "no", "--out", str(out), "--profile",
                            "--rows", rows,
@@ -365,6 +370,10 @@ def test_bench_smoke_writes_the_table_and_the_chart(tmp_path):
         for key in ("tokens_per_s", "mfu", "peak_memory_mb", "padding"):
             assert row[key] == row[key] and row[key] >= 0, row
     assert all(r["ratio"] > 0 for r in result["ratios"]) and len(result["ratios"]) == 3
+    journal = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    assert sorted(r["name"] for r in journal) == sorted(rows.split("|"))   # each run kept as it finished
+    assert set(result["collate_ms"]) == {"K predictions (default)", "whole-word masking, K", "per-token choice"}
+    assert all(0 < ms < 1000 for ms in result["collate_ms"].values())
     assert (out / "bench.md").read_text().count("| mlm") >= 2 and (out / "bench.png").stat().st_size > 10_000
     grouped, plain = result["accuracy"]["runs"]["grouped"][0], result["accuracy"]["runs"]["not grouped"][0]
     assert 0 <= grouped["accuracy"] <= 1 and 0 <= plain["accuracy"] <= 1

@@ -134,8 +134,13 @@ def print_plan(args, cfg) -> dict:
     shape, note = recipe_shape(cfg)
     backend, launch = read_launch_config(args.config, args.world, args.device,
                                          args.precision or cfg.train.mixed_precision)
-    grad_accum_steps(cfg.train, replicas(backend, launch))   # the batch arithmetic train.py will insist on
     memory = args.gpu_memory * GiB
+    if cfg.train.micro_batch_size == "auto":   # as a GPU run would pick it on this much memory
+        cfg.train.micro_batch_size = largest_micro_batch(backend, shape, cfg, launch, memory,
+                                                         cfg.model.gradient_checkpointing) or 1
+        print(f"train.micro_batch_size=auto: {cfg.train.micro_batch_size} on {args.gpu_memory:g} GiB (a run decides "
+              "from its GPU's free memory, with a margin: bert_recipes.memory.auto_micro_batch)")
+    grad_accum_steps(cfg.train, replicas(backend, launch))   # the batch arithmetic train.py will insist on
     micro, ckpt = cfg.train.micro_batch_size, cfg.model.gradient_checkpointing
     print(f"{Path(args.recipe).name}: {shape.params / 1e6:.1f}M parameters, micro batch {micro} x seq "
           f"{cfg.data.max_seq_length}, {launch.world} x {launch.device} devices, precision {launch.mixed_precision}, "
@@ -177,6 +182,8 @@ def measure(args, cfg) -> dict:
 
     from bert_recipes.backend import build_accelerator, read_launch_plan
     from bert_recipes.modeling import build_model, model_config
+    from bert_recipes.config import predictions_per_seq
+    from bert_recipes.dropout import packed_dropout_here
     from bert_recipes.optim import build_optimizer
 
     launch_plan = read_launch_plan()
@@ -188,20 +195,27 @@ def measure(args, cfg) -> dict:
     out_dir = Path(cfg.run.output_dir)
     accelerator, _, _ = build_accelerator(cfg, launch_plan, out_dir)
     config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
-    model = build_model(cfg.model, cfg.task, config=config)
+    model = build_model(cfg.model, cfg.task, config=config, packed_dropout=packed_dropout_here(
+        cfg.model.dropout_impl, cfg.train.compile, accelerator.device.type))
     shape = Shape.from_config(config, cfg.task.kind)
     optimizer = build_optimizer(model, cfg.optim)
 
     # A synthetic batch of the recipe's shape: real model and optimizer, random tokens.
     b, s = cfg.train.micro_batch_size, cfg.data.max_seq_length
     gen = torch.Generator().manual_seed(cfg.run.seed + accelerator.process_index)
-    masked = math.ceil(cfg.data.mlm_probability * b * s)
+    k = predictions_per_seq(cfg)   # the static head's K slots a sequence (the default), else a Bernoulli share
+    masked = b * k if k is not None else math.ceil(cfg.data.mlm_probability * b * s)
 
     def make_batch(_):
         ids = torch.randint(5, config.vocab_size, (b, s), generator=gen)
-        batch = {"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long),
-                 "token_type_ids": torch.zeros(b, s, dtype=torch.long)}
-        if cfg.task.kind == "mlm":
+        batch = {"input_ids": ids, "token_type_ids": torch.zeros(b, s, dtype=torch.long)}
+        if cfg.task.kind == "classification":   # padded batches carry a mask (packed MLM blocks come without)
+            batch["attention_mask"] = torch.ones(b, s, dtype=torch.long)
+        if cfg.task.kind == "mlm" and k is not None:   # as data.MLMCollator: K positions a row, in order
+            positions = torch.stack([torch.randperm(s, generator=gen)[:k].sort().values for _ in range(b)])
+            batch["labels"] = torch.full((b, s), -100).scatter(1, positions, ids.gather(1, positions))
+            batch["masked_positions"] = positions
+        elif cfg.task.kind == "mlm":
             labels = torch.full((b, s), -100)
             labels.view(-1)[torch.randperm(b * s, generator=gen)[:masked]] = ids.view(-1)[:masked]
             batch["labels"] = labels
