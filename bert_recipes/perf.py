@@ -255,7 +255,8 @@ class SyncAudit:
     boolean-mask indexing, and torch.cuda / DeepSpeed `synchronize`), by call site. On a CPU the same
     calls return at once, but they are the same calls: a sync-free step on the CPU is a sync-free step
     on a GPU, and a call site named here is one a GPU run waits at. Host-only work (HOST_SITES) is
-    left out. On a GPU, torch.cuda.set_sync_debug_mode("warn") reports the syncs torch itself sees."""
+    left out. On a GPU it also turns on torch.cuda.set_sync_debug_mode("warn") while it is entered, so
+    torch itself warns at each synchronizing CUDA call."""
 
     def __init__(self):
         from collections import Counter
@@ -285,10 +286,15 @@ class SyncAudit:
         self.mode = Mode()
         self.mode.__enter__()
         self._patch_synchronize()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():   # and torch's own report of what waits
+            self.debug_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
+        if getattr(self, "debug_mode", None) is not None:
+            torch.cuda.set_sync_debug_mode(self.debug_mode)
         for owner, attr, original in self.patched:
             setattr(owner, attr, original)
         self.patched = []
