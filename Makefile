@@ -74,14 +74,18 @@ col       = $(shell awk -F'\t' '$$1=="$(1)" {print $$$(2)}' $(BACKENDS))
 # Processes: NPROC if given, 2 with CPU=1, else one per GPU present (the YAMLs' num_processes: 8 is
 # documentation; Accelerate would start 8 ranks on a 4-GPU host, and the extra ones die).
 NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2,$(if $(filter-out 0,$(GPUS)),--num_processes $(GPUS))))
-CPU_ENV   = $(if $(CPU),$(call col,$@,4))
+CPU_ENV   = $(if $(CPU),$(filter-out -,$(call col,$@,4)))
 MODE_CONFIG = $(or $(CONFIG),$(if $(CPU),$(filter-out -,$(call col,$@,3))),$(call col,$@,2))
 
 .PHONY: modes $(MODES)
 modes:  ## list the parallelism targets: make <mode> [CPU=1] [RECIPE=...] [NPROC=n] [CONFIG=...]
 	@awk -F'\t' '!/^\#/ {printf "  make %-14s %s\n", $$1, $$2}' $(BACKENDS)
 
+# A row whose cpu_config is gpu-only (FSDP) has no CPU launch: CPU=1 is one line and exit 2.
+GPU_ONLY_CHECK = $(if $(CPU),$(if $(filter gpu-only,$(call col,$@,3)),echo "config error: make $@ CPU=1: $@ runs on GPUs only (accelerate_configs/backends.tsv); on CPU processes use make ddp CPU=1 (or make zero3 CPU=1 for sharded parameters)" >&2; exit 2,:),:)
+
 $(SINGLE_HOST_MODES): setup
+	@$(GPU_ONLY_CHECK)
 	@$(CPU_ENV) $(PREFLIGHT) $(MODE_CONFIG) $(NPROC_ARG) -- --recipe $(RECIPE) $(ARGS)
 	$(CPU_ENV) $(LAUNCH) --config_file $(MODE_CONFIG) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 

@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads 
 
 import torch
 
-from bert_recipes.backend import read_launch_plan
+from bert_recipes.backend import launch_plan_here
 from bert_recipes.checkpoint import (check_shared_output_dir, model_card, read_train_state, resolve_resume,
                                      save_checkpoint, start_output_dir)
 from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
@@ -35,6 +35,7 @@ from bert_recipes.dropout import packed_dropout_here
 from bert_recipes.engine import build_engine
 from bert_recipes.guard import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
                                 StopAgreement, all_max, is_collective_timeout, preempted_exit_code)
+from bert_recipes.interface import Engine, check_engine
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
@@ -51,7 +52,7 @@ from bert_recipes.preflight import preflight, same_on_every_rank
 class Run:
     """What main builds and the loop and the final save share."""
     cfg: Config
-    engine: Any               # bert_recipes.engine.AccelerateEngine or bert_recipes.pipeline.PipelineEngine
+    engine: Engine            # bert_recipes/interface.py: AccelerateEngine or PipelineEngine
     output_dir: Path
     config_yaml: str
     tokenizer: Any
@@ -82,7 +83,7 @@ def main(cfg: Config) -> dict:
     # The launch plan (accelerate YAML + DeepSpeed JSON) is read once. Everything a plain process can
     # check is checked first (the Make targets ran the same checks before launching): nothing is
     # written to output_dir until every check has passed, just before the loop.
-    plan = read_launch_plan()
+    plan = launch_plan_here()   # with the device decided, once: plan.on_gpu
     auto_micro_batch = cfg.train.micro_batch_size == "auto"
     notes = preflight(cfg, plan, int(os.environ.get("WORLD_SIZE", "1")))
     output_dir = Path(cfg.run.output_dir)
@@ -117,18 +118,8 @@ def main(cfg: Config) -> dict:
            f"tokens, vocab {len(tokenizer)}")
 
     # -------------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(cfg.model, cfg.task, tokenizer,
-                        packed_dropout=packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile, engine.device.type))
-    model_config = model.config
-    print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
-    if getattr(model, "loading_report", None):
-        print0(model.loading_report)
-    module = engine.wrap(model)   # the pipeline cuts it into stages; Accelerate keeps it whole
-    del model
-    # (a DeepSpeed JSON with an optimizer block replaces this one: then no CPU Adam is built for nothing)
-    optimizer = build_optimizer(module, cfg.optim, offloaded=plan.offloads_optimizer and "optimizer" not in plan.ds_config)
     steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
            f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, {cfg.optim.decay} decay")
     for warning in schedule_warnings(cfg, total_steps):
@@ -136,16 +127,8 @@ def main(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------- prepare
     engine.prepare(module, optimizer, scheduler, data, collate)
-    backend = engine.describe()
-    print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
-    memory_plan = predict_run(cfg, model_config, plan, engine.num_processes, engine.device.type, engine.accum)
-    if memory_plan is not None:
-        print0(f"[memory] predicted per device ({plan.name}; all backends: make memory): " + describe_plan(memory_plan))
-    mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
-    flops_token = flops_per_token(model_config, cfg.data.max_seq_length, mlm_fraction)
-    peak, peak_source = peak_flops(engine.device, cfg.train.mixed_precision, cfg.train.tf32)
-    print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
-           f"({peak_source}); MFU counts every device" + (", idle pipeline bubbles included" if plan.pipeline else ""))
+    check_engine(engine)   # every member of the interface exists now (bert_recipes/interface.py)
+    backend, memory_plan, flops_token, peak = describe_run(cfg, plan, engine, model_config)
     baseline = None
     if cfg.task.kind == "classification" and cfg.task.num_labels > 1:
         baseline = majority_baseline(data["train"]["labels"], data["eval"]["labels"])
@@ -173,6 +156,38 @@ def main(cfg: Config) -> dict:
         run.preemption.uninstall(ignore_from_now=bool(run.stop_signal))
 
 
+def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: int):
+    """The model (this rank's stage under the pipeline), its optimizer and the schedule over
+    `total_steps`. -> (module, optimizer, scheduler, the model's config)."""
+    model = build_model(cfg.model, cfg.task, tokenizer,
+                        packed_dropout=packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile, engine.device.type))
+    model_config = model.config
+    engine.print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
+    if getattr(model, "loading_report", None):
+        engine.print0(model.loading_report)
+    module = engine.wrap(model)   # the pipeline cuts it into stages; Accelerate keeps it whole
+    # (a DeepSpeed JSON with an optimizer block replaces this one: then no CPU Adam is built for nothing)
+    optimizer = build_optimizer(module, cfg.optim, offloaded=plan.offloads_optimizer and "optimizer" not in plan.ds_config)
+    return module, optimizer, build_scheduler(optimizer, cfg.optim, total_steps), model_config
+
+
+def describe_run(cfg: Config, plan, engine: Engine, model_config):
+    """The [backend], [memory] and [mfu] lines: what engaged, the planner's prediction, MFU's terms.
+    -> (engine.describe(), the memory plan or None, FLOPs per token, one device's peak FLOP/s)."""
+    backend = engine.describe()
+    engine.print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
+    memory_plan = predict_run(cfg, model_config, plan, engine.num_processes, engine.device.type, engine.accum)
+    if memory_plan is not None:
+        engine.print0(f"[memory] predicted per device ({plan.name}; all backends: make memory): "
+                      + describe_plan(memory_plan))
+    mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
+    flops_token = flops_per_token(model_config, cfg.data.max_seq_length, mlm_fraction)
+    peak, peak_source = peak_flops(engine.device, cfg.train.mixed_precision, cfg.train.tf32)
+    engine.print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
+                  f"({peak_source}); MFU counts every device" + (", idle pipeline bubbles included" if plan.pipeline else ""))
+    return backend, memory_plan, flops_token, peak
+
+
 # ----------------------------------------------------------------------------- the loop
 def train(run: Run) -> None:
     """Optimizer steps until run.stop_at, the same for every engine: each step takes exactly
@@ -184,12 +199,12 @@ def train(run: Run) -> None:
     cfg, engine, state = run.cfg, run.engine, run.state
     meter = Throughput(engine.counts_data)
     watch = DataLoaderWatch(cfg.logging.dataloader_warn_share)
-    profiler = start_profiler(run.output_dir) if cfg.logging.profile else None
+    profiler = start_profiler(run.output_dir, engine.on_gpu) if cfg.logging.profile else None
     bar = tqdm(total=run.total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
                disable=not (engine.is_local_main and cfg.logging.progress_bar))
     run.guard = StepGuard(cfg.train.max_bad_steps, state.get("skipped_steps", 0))
     agreement = StopAgreement(engine.control)
-    audit = run.audit = SyncAudit() if cfg.logging.sync_audit else None
+    audit = run.audit = SyncAudit(engine.on_gpu) if cfg.logging.sync_audit else None
     if engine.on_gpu:   # peak memory of training, not of loading and preparing
         torch.cuda.reset_peak_memory_stats()
     while state["step"] < run.stop_at and not run.stop_signal:
@@ -226,7 +241,7 @@ def train(run: Run) -> None:
     bar.close()
     if profiler is not None:
         profiler.stop()
-        engine.print0(profile_table(profiler, run.output_dir))
+        engine.print0(profile_table(profiler, run.output_dir, engine.on_gpu))
 
 
 def check_guard(run: Run) -> None:

@@ -41,6 +41,14 @@ class LaunchPlan:
     ds_config: dict = field(default_factory=dict)
     num_processes: int | None = None          # the YAML's num_processes (a running job reads WORLD_SIZE)
     num_machines: int = 1
+    # Decided once, for the machine the run is on (launch_plan_here); None in a plan made for elsewhere
+    # (the memory planner, tools that plan a launch): those take the device as an input.
+    on_gpu: bool | None = None
+
+    @property
+    def pin_memory(self) -> bool:
+        """Pinned host batches: worth it only when they are copied to a GPU."""
+        return bool(self.on_gpu)
 
     # ------------------------------------------------------------ the backend vocabulary
     @property
@@ -107,6 +115,15 @@ def read_launch_plan(env=os.environ) -> LaunchPlan:
     return plan
 
 
+def launch_plan_here(env=os.environ) -> LaunchPlan:
+    """The plan of a launched rank (or of a launch about to start here, `env` being its environment),
+    with the device decided once (decide_on_gpu). Engines, the loop and the checks read plan.on_gpu and
+    never decide again."""
+    plan = read_launch_plan(env)
+    plan.on_gpu = decide_on_gpu(plan, env)
+    return plan
+
+
 def plan_from_config_file(path: str | Path) -> LaunchPlan:
     """The LaunchPlan an accelerate YAML would give a launched script (the same environment
     variables `accelerate launch` sets from it), for tools that plan without launching."""
@@ -153,7 +170,8 @@ def pipeline_replicas(plan: LaunchPlan, world_size: int) -> int:
 
 # ---------------------------------------------------------------------------- the device
 def decide_on_gpu(plan: LaunchPlan, env=os.environ, cuda_available: bool | None = None) -> bool:
-    """The one answer to "does this run train on CUDA GPUs?", used for the process-group backend,
+    """The one answer to "does this run train on CUDA GPUs?", asked once by launch_plan_here and kept
+    as plan.on_gpu, which is what everything reads: the process-group backend,
     the fp16 and bf16 checks, the optimizer kernel, pinned memory and the GPU statistics: CUDA is
     visible and the launch did not ask for CPU. DS_ACCELERATOR=cpu with GPUs visible is refused:
     Accelerate would still pick NCCL and CUDA devices and DeepSpeed would send CPU tensors over NCCL
@@ -191,8 +209,20 @@ class BackendRow:
     """One row of accelerate_configs/backends.tsv: a Make target and how it launches."""
     name: str
     config: str          # the accelerate YAML on GPUs
-    cpu_config: str      # the accelerate YAML on CPU processes
+    cpu_yaml: str | None  # the accelerate YAML on CPU processes; None: a GPU-only row
     cpu_env: str         # VAR=value the CPU launch needs (the Makefile prefixes the same)
+
+    @property
+    def gpu_only(self) -> bool:
+        """The table's `gpu-only`: no CPU launch runs this backend (FSDP: Accelerate would run DDP)."""
+        return self.cpu_yaml is None
+
+    @property
+    def cpu_config(self) -> str:
+        if self.cpu_yaml is None:
+            raise ConfigError(f"{self.name} runs on GPUs only (accelerate_configs/backends.tsv): on CPU processes use "
+                              "ddp, or zero3 for sharded parameters")
+        return self.cpu_yaml
 
     @property
     def plan(self) -> LaunchPlan:
@@ -201,6 +231,7 @@ class BackendRow:
     def cpu_launch_env(self, env: dict) -> dict:
         """`env` with this row's CPU launch variables. DeepSpeed on CPU needs DS_ACCELERATOR=cpu and
         must NOT see ACCELERATE_USE_CPU (Accelerate would silently run plain DDP instead)."""
+        self.cpu_config   # a GPU-only row has no CPU launch: ConfigError
         assignments = dict(item.split("=", 1) for item in self.cpu_env.split())
         deepspeed = assignments.get("DS_ACCELERATOR") == "cpu"
         out = {k: v for k, v in env.items() if not (deepspeed and k == "ACCELERATE_USE_CPU")}
@@ -213,7 +244,8 @@ def backend_rows() -> dict[str, BackendRow]:
     for line in BACKENDS_TSV.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, config, cpu_config, cpu_env = line.split("\t")
-            rows[name] = BackendRow(name, config, config if cpu_config == "-" else cpu_config, cpu_env)
+            cpu_yaml = None if cpu_config == "gpu-only" else config if cpu_config == "-" else cpu_config
+            rows[name] = BackendRow(name, config, cpu_yaml, "" if cpu_env == "-" else cpu_env)
     return rows
 
 
@@ -480,9 +512,9 @@ def check_engaged(accelerator, plan: LaunchPlan) -> None:
                            "(ACCELERATE_USE_CPU=1 turns a DeepSpeed config into plain DDP: on CPU set "
                            "DS_ACCELERATOR=cpu instead)")
     if plan.fsdp and got != DistributedType.FSDP:
-        raise ConfigError(f"the accelerate config asks for FSDP but Accelerate runs {got}: Accelerate enables "
-                           "FSDP only on GPUs, so this run would be DDP under the name FSDP. Refusing. "
-                           "Use a GPU machine, or a DDP/DeepSpeed config on CPU")
+        raise ConfigError(f"the accelerate config asks for FSDP but Accelerate runs {got}: this run would be DDP "
+                           "under the name FSDP. Refusing. FSDP is a GPU-only row of accelerate_configs/backends.tsv: "
+                           "use a GPU machine, or a DDP/DeepSpeed config on CPU")
 
 
 def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
@@ -496,20 +528,19 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
     # and recipe / accelerate YAML / DeepSpeed JSON are compared before any heavy work.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     accum = grad_accum_steps(cfg.train, world_size)
-    on_gpu = decide_on_gpu(plan)
+    on_gpu = plan.on_gpu   # decided once (launch_plan_here)
     check_consistency(cfg, plan, world_size, accum, on_gpu, local_capability() if on_gpu else None)
     # Every collective gives up after train.collective_timeout_s (a stuck rank, a lost node). On CPU
     # the backend must be named: otherwise Accelerate leaves it unset for DeepSpeed and sees 1 process.
     handlers = [] if world_size == 1 else [InitProcessGroupKwargs(
         backend=None if on_gpu else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
-    trackers = check_trackers(cfg.logging.trackers)
+    check_trackers(cfg.logging.trackers)   # opened by the engine (logs.Trackers), the same on every backend
     accelerator = Accelerator(
         mixed_precision=cfg.train.mixed_precision,
         # Every optimizer step takes exactly `accum` micro batches (train.py's loop), so the
         # gradients sync on the count alone, never on an epoch's end.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,   # the engine steps the schedule once per optimizer step
-        log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         # non_blocking: pinned batches are copied to the GPU without making the host wait
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=cfg.data.pin_memory),

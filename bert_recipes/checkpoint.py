@@ -277,20 +277,81 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml
     out = Path(out_dir)
     state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-        tied = getattr(unwrapped, "_tied_weights_keys", None)
-        if isinstance(tied, dict) and getattr(unwrapped.config, "tie_word_embeddings", True):
-            for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
-                state_dict.pop(key, None)
-        unwrapped.config.torch_dtype = "float32"
-        unwrapped.save_pretrained(
-            out, state_dict=state_dict, safe_serialization=True, save_function=accelerator.save)
-        tokenizer.save_pretrained(out)
-        (out / "recipe.yaml").write_text(config_yaml)
-        (out / "README.md").write_text(card)
+        write_export(accelerator.unwrap_model(model, keep_torch_compile=False), out, tokenizer, config_yaml, card,
+                     state_dict, save_function=accelerator.save)
     accelerator.wait_for_everyone()
     return out
+
+
+def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state_dict: dict | None = None,
+                 save_function=torch.save) -> Path:
+    """Rank 0's half of every engine's export: config.json and fp32 model.safetensors (from
+    `state_dict`, full weights, when the model's own are shards), the tokenizer, the recipe and the
+    model card. Tied weights are written once, under the name from_pretrained ties back."""
+    out.mkdir(parents=True, exist_ok=True)
+    tied = getattr(model, "_tied_weights_keys", None)
+    if state_dict is not None and isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", True):
+        for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
+            state_dict.pop(key, None)
+    model.config.torch_dtype = "float32"
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True, save_function=save_function)
+    tokenizer.save_pretrained(out)
+    (out / "recipe.yaml").write_text(config_yaml)
+    (out / "README.md").write_text(card)
+    return out
+
+
+# Every rank's random generators, in Accelerate's file and keys (what save_state writes for the
+# Accelerate engine), so every engine's checkpoint holds one format; loaded with weights_only.
+RNG_FILE = "random_states_{rank}.pkl"
+
+
+def save_rng_state(path: str | Path, rank: int, on_gpu: bool) -> None:
+    import random
+
+    import numpy as np
+    states = {"step": 0, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+              "torch_manual_seed": torch.get_rng_state()}
+    if on_gpu:
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    torch.save(states, Path(path) / RNG_FILE.format(rank=rank))
+
+
+def load_rng_state(path: str | Path, rank: int, on_gpu: bool) -> bool:
+    """This rank's generators as save_rng_state (or Accelerate) left them; a checkpoint from before the
+    one format holds rng_rank<r>.json instead, read as well. -> whether a state was found."""
+    import random
+
+    import numpy as np
+    from accelerate.utils import load   # torch.load, weights_only, with numpy's state types allowed
+    saved = Path(path) / RNG_FILE.format(rank=rank)
+    if not saved.exists():
+        return _load_rng_json(Path(path) / f"rng_rank{rank}.json", on_gpu)
+    states = load(saved)
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if on_gpu and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    return True
+
+
+def _load_rng_json(saved: Path, on_gpu: bool) -> bool:
+    """The pipeline's format before RNG_FILE (checkpoints written up to 2026-11-30)."""
+    import random
+
+    import numpy as np
+    if not saved.exists():
+        return False
+    state = json.loads(saved.read_text())
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] is not None and on_gpu:
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    return True
 
 
 def model_card(cfg, final: dict, backend: dict, tokens_seen: int) -> str:

@@ -51,7 +51,8 @@ def packed_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
 
 def packed_dropout_here(impl: str, compile: bool, device_type: str) -> bool:
     """Does this run draw packed dropout masks? model.dropout_impl=packed, on a CPU, without
-    train.compile. The run (build_model) and the memory planner (bert_recipes.memory) both ask this."""
+    train.compile. The run (build_model, with plan.on_gpu's device) and the memory planner
+    (bert_recipes.memory, with the device it plans for) both ask this; the device is an input."""
     return impl == "packed" and device_type == "cpu" and not compile
 
 

@@ -1,23 +1,7 @@
-"""Engines: what differs between running the recipe through Accelerate (DDP, ZeRO-1/2/3 with
-offload, FSDP2) and through DeepSpeed's pipeline engine, behind one small interface. train.py's
-loop names no backend; it calls, in order:
-
-    engine.wrap(model) -> module               what the optimizer sees (the pipeline: this rank's stage)
-    engine.prepare(module, optimizer, scheduler, data, collate)
-    engine.describe() -> dict                  what really runs (backend, stages, sharding)
-    engine.load(checkpoint_dir)                on resume
-    engine.batches(epoch, skip) -> iterator    this rank's micro batches of one epoch
-    engine.train_step(batches) -> (loss, grad_norm, skipped, overflow)
-                                               one optimizer step: `accum` micro batches, clipping,
-                                               the update and the schedule; device tensors the host
-                                               does not wait for (train.py reads them at log steps)
-    engine.evaluate() -> rows                  per-sample rows of every rank (metrics.eval_metrics)
-    engine.save(dir)                           inside bert_recipes.checkpoint.save_checkpoint
-    engine.export(dir, tokenizer, config_yaml) a Hugging Face model with full weights
-    engine.final() -> dict                     end-of-run facts (rank checksums, peak memory, ranks)
-
-plus the communication helpers every loop needs (barrier, broadcast, all_sum) and the rank-0
-output (print0, log). The pipeline engine lives in bert_recipes/pipeline.py.
+"""The Accelerate engine (DDP, ZeRO-1/2/3 with offload, FSDP2) and the choice between it and
+DeepSpeed's pipeline engine (bert_recipes/pipeline.py). Both implement the interface in
+bert_recipes/interface.py (`Engine`: every method and attribute train.py uses, with its contract);
+train.py's loop names no backend.
 """
 from __future__ import annotations
 
@@ -35,7 +19,8 @@ from .checkpoint import export_model
 from .config import Config
 from .data import Indexed, LengthGroupedBatches, loader_kwargs
 from .guard import control_group, on_any_rank, slow_barrier
-from .modeling import per_sample_mlm_loss, slot_labels
+from .logs import Trackers
+from .metrics import batch_rows, joined_rows, predictions
 from .perf import peak_memory_gb
 
 
@@ -87,6 +72,7 @@ class AccelerateEngine:
         self.is_main, self.is_local_main = a.is_main_process, a.is_local_main_process
         self.num_processes = self.replicas = a.num_processes
         self.device = a.device
+        self.trackers = Trackers(cfg.logging.trackers, self.is_main, output_dir / "logs")
         self.setup_line = (f"{a.distributed_type} x{a.num_processes} on {a.device}, precision={a.mixed_precision}; "
                            f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
                            f"accum {self.accum} x world {a.num_processes}")
@@ -108,10 +94,10 @@ class AccelerateEngine:
         return self.accelerator.reduce(tensor, reduction="sum")
 
     def start_trackers(self, run_name: str, config: dict):
-        self.accelerator.init_trackers(run_name, config=config)
+        self.trackers.start(run_name, config)
 
     def log(self, values: dict, step: int):
-        self.accelerator.log(values, step=step)
+        self.trackers.log(values, step)
 
     def finish(self):
         if self.accelerator.swap_dirs:   # ZeRO NVMe offload: once every rank is done with its swap files,
@@ -119,6 +105,7 @@ class AccelerateEngine:
             if self.is_local_main:
                 for path in self.accelerator.swap_dirs:
                     shutil.rmtree(path, ignore_errors=True)
+        self.trackers.finish()
         self.accelerator.end_training()
 
     # ------------------------------------------------------------ setup
@@ -131,7 +118,7 @@ class AccelerateEngine:
         t = self.cfg.train
         if not self.on_gpu:   # lengths rounded up to a multiple of 8 feed tensor cores; on a CPU it is only padding
             collate.pad_to_multiple_of = None
-        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=self.on_gpu)
+        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=self.plan.pin_memory)
         if self.cfg.data.group_by_length:   # batches of similar length (data.LengthGroupedBatches)
             lengths = [len(ids) for ids in data["train"]["input_ids"]]
             batches = LengthGroupedBatches(lengths, t.micro_batch_size, self.cfg.run.seed,
@@ -213,7 +200,7 @@ class AccelerateEngine:
         """A prepared loader over another split (extra evaluations, test predictions)."""
         from torch.utils.data import DataLoader
         t = self.cfg.train
-        kwargs = loader_kwargs(self.cfg.data, copy.copy(self.collate), self.cfg.run.seed, pin=self.on_gpu)
+        kwargs = loader_kwargs(self.cfg.data, copy.copy(self.collate), self.cfg.run.seed, pin=self.plan.pin_memory)
         kwargs["collate_fn"].epoch = 0
         return self.accelerator.prepare(DataLoader(Indexed(dataset), batch_size=t.eval_batch_size or t.micro_batch_size,
                                                    **kwargs))
@@ -226,8 +213,7 @@ class AccelerateEngine:
         self.model.eval()
         for batch in self._loader(dataset):
             batch.pop("labels", None)
-            logits = self.model(**batch).logits
-            p = logits.squeeze(-1).float() if self.cfg.task.num_labels == 1 else logits.argmax(-1)
+            p = predictions(self.cfg.task, self.model(**batch).logits)
             preds.append(self.accelerator.gather_for_metrics(p).cpu())
         self.model.train()
         return torch.cat(preds).numpy()
@@ -236,25 +222,14 @@ class AccelerateEngine:
     def evaluate(self, dataset=None) -> dict:
         """Every eval sample once: gather_for_metrics drops the duplicates that even batching adds
         to the last batch. -> rows for metrics.eval_metrics. dataset: another labelled split."""
-        a, task = self.accelerator, self.cfg.task
         self.model.eval()
-        rows: dict[str, list] = {}
+        parts = []
         for batch in (self.eval_loader if dataset is None else self._loader(dataset)):
-            logits, labels = self.model(**batch).logits, batch["labels"]
-            if "masked_positions" in batch:   # the static head's logits: one row per position slot
-                labels = slot_labels(labels, batch["masked_positions"])
-            if task.kind == "mlm":
-                sums, counts, correct = per_sample_mlm_loss(logits, labels)
-                found = {"loss_sums": sums, "token_counts": counts, "correct": correct}
-            else:
-                preds = logits.squeeze(-1).float() if task.num_labels == 1 else logits.argmax(-1)
-                found = {"preds": preds, "refs": labels}
-            gathered = a.gather_for_metrics(tuple(found.values()))
-            for key, value in zip(found, gathered):
-                rows.setdefault(key, []).append(value.cpu())
+            found = batch_rows(self.cfg.task, self.model(**batch).logits, batch["labels"], batch.get("masked_positions"))
+            gathered = self.accelerator.gather_for_metrics(tuple(found.values()))
+            parts.append({key: value.cpu() for key, value in zip(found, gathered)})
         self.model.train()
-        return {k: torch.cat(v).double().numpy() if k == "loss_sums" else torch.cat(v).numpy()
-                for k, v in rows.items()}
+        return joined_rows(parts)
 
     # ------------------------------------------------------------ state
     def save(self, path: str):

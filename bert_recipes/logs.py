@@ -111,3 +111,33 @@ def plot_curves(path: Path, history: dict, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+class Trackers:
+    """logging.trackers (tensorboard, wandb, mlflow) for every engine: Accelerate's own tracker
+    classes, opened on global rank 0 only, so they need no Accelerator (the pipeline has none) and
+    every backend writes the same files (TensorBoard: <output_dir>/logs/<run.name>/)."""
+
+    def __init__(self, names: list[str], is_main: bool, logging_dir: Path):
+        self.names, self.is_main, self.logging_dir, self.open = list(names), is_main, logging_dir, []
+
+    def start(self, run_name: str, config: dict) -> None:
+        if not self.is_main:
+            return
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+        for name in self.names:
+            kind = LOGGER_TYPE_TO_CLASS[name]
+            tracker = kind(run_name, str(self.logging_dir)) if kind.requires_logging_directory else kind(run_name)
+            tracker.main_process_only = False   # this is rank 0 already: no Accelerator state to ask
+            tracker.start()
+            tracker.store_init_configuration(config)
+            self.open.append(tracker)
+
+    def log(self, values: dict, step: int) -> None:
+        for tracker in self.open:
+            tracker.log(values, step=step)
+
+    def finish(self) -> None:
+        for tracker in self.open:
+            tracker.finish()
+        self.open = []

@@ -146,34 +146,13 @@ def attention_kernel(work: Workload, device: str) -> str:
     return "fused" if work.attention_dropout == 0 else "math"
 
 
-def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", device: str = "cuda",
-                     checkpointing: bool = False) -> dict[str, int]:
-    """Bytes autograd saves for backward in one forward of one micro batch.
-
-    precision: 'fp32'; 'autocast' (DDP mixed precision: fp32 weights, 16-bit matmuls); 'half'
-    (a 16-bit model, as DeepSpeed's bf16/fp16 makes it and FSDP2 gathers it). Returned parts: embeddings,
-    per_layer, layers (all of them, or the stored layer inputs with checkpointing), head, total,
-    and recompute (one layer rebuilt during backward with checkpointing, else 0)."""
-    b, s, h, a, i = work.batch, work.seq, shape.hidden, shape.heads, shape.intermediate
-    tokens, B, Bi, scores = b * s, b * s * shape.hidden, b * s * i, b * a * s * s
-    autocast, half = precision == "autocast", precision == "half"
-    e = 2 if half else 4                    # the model's dtype
-    lin = 2 if autocast else e              # linear inputs and outputs
-    res = 4 if autocast else e              # residual stream and LayerNorm inputs (fp32 + 16-bit -> fp32)
-    stat = 4 if (device == "cuda" or not half) else 2   # LayerNorm mean and rstd
-    p_h, p_a = work.hidden_dropout > 0, work.attention_dropout > 0
-    packed = work.packed_dropout(device)
-
-    def mask(elements: int, of_bytes: int, module: bool = True) -> int:
-        """A dropout mask: bool on CUDA and packed (dropout modules), torch's on CPU in the input's dtype."""
-        return elements * (1 if device == "cuda" or (packed and module) else of_bytes)
-
-    # --- embeddings: input_ids and token_type_ids (int64) for the lookups, LayerNorm, dropout
-    embeddings = 2 * tokens * 8 + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
-
-    # --- one encoder layer
-    kernel = attention_kernel(work, device)
-    qkv_in = (3 if autocast else 1) * B * lin           # autocast casts the input once per linear
+def _attention_bytes(work: Workload, device: str, kernel: str, B: int, scores: int, lin: int, autocast: bool,
+                     mask) -> tuple[int, int]:
+    """activation_bytes' attention part of one layer -> (attention, context): what the kernel saves,
+    and the context copy before the output projection. B: batch x seq x hidden elements; scores:
+    batch x heads x seq x seq; lin: bytes of a linear's input; mask: bytes of a dropout mask."""
+    b, s, a = work.batch, work.seq, scores // (work.batch * work.seq * work.seq)
+    p_a = work.attention_dropout > 0
     if kernel == "fused":                               # q, k, v, out; log-sum-exp in fp32
         # fp32 on CUDA runs the memory-efficient kernel, whose log-sum-exp pads s to a multiple of 32.
         lse_len = math.ceil(s / 32) * 32 if (device == "cuda" and lin == 4) else s
@@ -200,19 +179,14 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
         # torch's math sdpa (CPU with attention dropout) computes in fp32 whatever the inputs.
         attention = 3 * B * 4 + scores * 4 + (2 * scores * 4 if p_a else 0)
         context = B * lin                               # the reshape copy (cast under autocast)
-    layer = (qkv_in + attention + context
-             + (mask(B, lin) if p_h else 0)
-             + B * res + 2 * tokens * stat              # LayerNorm 1
-             + B * lin                                  # -> intermediate
-             + Bi * lin + Bi * lin                      # GELU input, its output -> output projection
-             + (mask(B, lin) if p_h else 0)
-             + B * res + 2 * tokens * stat)             # LayerNorm 2
-    # With padding, HF passes one bool (b, 1, s, s) mask; a fused sdpa converts it on every call into
-    # an additive mask in the query's dtype and saves that copy (the math path adds it and saves nothing).
-    if work.padded and kernel == "fused":
-        layer += b * s * (math.ceil(s / 8) * 8 if device == "cuda" else s) * lin
+    return attention, context
 
-    # --- head
+
+def _head_bytes(shape: Shape, work: Workload, device: str, B: int, tokens: int, lin: int, res: int, stat: int,
+                autocast: bool, e: int, p_h: bool, mask) -> int:
+    """activation_bytes' head part: the MLM prediction head (its rows: every position, the masked
+    ones, or K slots) or the pooler and classifier."""
+    b, h = work.batch, shape.hidden
     if shape.num_labels is None:
         rows = work.predicted_rows
         R = rows * h
@@ -232,6 +206,52 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
         head += b * h * lin + (mask(b * h, lin) + b * h * lin if p_h else 0)   # tanh out, dropout
         head += (b * 4 * 2) if c == 1 else (b * c * 4 + b * 8)                # loss inputs
         head += 4
+    return head
+
+
+def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", device: str = "cuda",
+                     checkpointing: bool = False) -> dict[str, int]:
+    """Bytes autograd saves for backward in one forward of one micro batch.
+
+    precision: 'fp32'; 'autocast' (DDP mixed precision: fp32 weights, 16-bit matmuls); 'half'
+    (a 16-bit model, as DeepSpeed's bf16/fp16 makes it and FSDP2 gathers it). Returned parts: embeddings,
+    per_layer, layers (all of them, or the stored layer inputs with checkpointing), head, total,
+    and recompute (one layer rebuilt during backward with checkpointing, else 0)."""
+    b, s, a, i = work.batch, work.seq, shape.heads, shape.intermediate
+    tokens, B, Bi, scores = b * s, b * s * shape.hidden, b * s * i, b * a * s * s
+    autocast, half = precision == "autocast", precision == "half"
+    e = 2 if half else 4                    # the model's dtype
+    lin = 2 if autocast else e              # linear inputs and outputs
+    res = 4 if autocast else e              # residual stream and LayerNorm inputs (fp32 + 16-bit -> fp32)
+    stat = 4 if (device == "cuda" or not half) else 2   # LayerNorm mean and rstd
+    p_h = work.hidden_dropout > 0
+    packed = work.packed_dropout(device)
+
+    def mask(elements: int, of_bytes: int, module: bool = True) -> int:
+        """A dropout mask: bool on CUDA and packed (dropout modules), torch's on CPU in the input's dtype."""
+        return elements * (1 if device == "cuda" or (packed and module) else of_bytes)
+
+    # --- embeddings: input_ids and token_type_ids (int64) for the lookups, LayerNorm, dropout
+    embeddings = 2 * tokens * 8 + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
+
+    # --- one encoder layer
+    kernel = attention_kernel(work, device)
+    qkv_in = (3 if autocast else 1) * B * lin           # autocast casts the input once per linear
+    attention, context = _attention_bytes(work, device, kernel, B, scores, lin, autocast, mask)
+    layer = (qkv_in + attention + context
+             + (mask(B, lin) if p_h else 0)
+             + B * res + 2 * tokens * stat              # LayerNorm 1
+             + B * lin                                  # -> intermediate
+             + Bi * lin + Bi * lin                      # GELU input, its output -> output projection
+             + (mask(B, lin) if p_h else 0)
+             + B * res + 2 * tokens * stat)             # LayerNorm 2
+    # With padding, HF passes one bool (b, 1, s, s) mask; a fused sdpa converts it on every call into
+    # an additive mask in the query's dtype and saves that copy (the math path adds it and saves nothing).
+    if work.padded and kernel == "fused":
+        layer += b * s * (math.ceil(s / 8) * 8 if device == "cuda" else s) * lin
+
+    # --- head
+    head = _head_bytes(shape, work, device, B, tokens, lin, res, stat, autocast, e, p_h, mask)
 
     layers = shape.layers * (B * res if checkpointing else layer)
     if checkpointing and work.padded:   # the checkpoints also keep HF's mask, an input of every layer
@@ -393,9 +413,15 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
         shard = math.ceil(P / n)
         temporary = 2 * shape.layer_params * k + shape.layer_params * 4 + logits_grad
         return Plan(backend, 4 * shard, 4 * shard, 8 * shard, activations, temporary)
-    # pipeline: stages x data-parallel replicas. The first stage holds the embeddings and, in 1F1B,
-    # up to `stages` micro batches in flight; the last holds the head, the tied copy of the word
-    # embeddings (the MLM decoder) and one micro batch. The larger of the two decides.
+    return _plan_pipeline(backend, shape, work, launch, act, precision, k, logits_grad)
+
+
+def _plan_pipeline(backend: str, shape: Shape, work: Workload, launch: Launch, act: dict, precision: str, k: int,
+                   logits_grad: int) -> Plan:
+    """plan_backend's pipeline row: stages x data-parallel replicas. The first stage holds the
+    embeddings and, in 1F1B, up to `stages` micro batches in flight; the last holds the head, the tied
+    copy of the word embeddings (the MLM decoder) and one micro batch. The larger of the two decides."""
+    P, h = shape.params, shape.hidden
     stages, dp = pipeline_stages(launch), replicas(backend, launch)
     per_stage = math.ceil(shape.layers / stages)
     head = P - shape.embedding_params - shape.layers * shape.layer_params

@@ -153,19 +153,19 @@ class DataLoaderWatch:
         return share, "\n".join(lines)
 
 
-def start_profiler(output_dir):
+def start_profiler(output_dir, on_gpu: bool):
     """torch.profiler over optimizer steps 2-4 (wait 1, warmup 1, active 3), TensorBoard trace."""
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
                        on_trace_ready=tensorboard_trace_handler(str(output_dir / "profile")))
     profiler.start()
     return profiler
 
 
-def profile_table(profiler, output_dir) -> str:
+def profile_table(profiler, output_dir, on_gpu: bool) -> str:
     """The top 10 operators by self time over the profiled steps."""
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=key, row_limit=10)
     return f"[profile] top 10 operators by self time (trace: tensorboard --logdir {output_dir / 'profile'})\n{table}"
 
@@ -258,8 +258,9 @@ class SyncAudit:
     left out. On a GPU it also turns on torch.cuda.set_sync_debug_mode("warn") while it is entered, so
     torch itself warns at each synchronizing CUDA call."""
 
-    def __init__(self):
+    def __init__(self, on_gpu: bool = False):
         from collections import Counter
+        self.on_gpu = on_gpu       # the run's device (plan.on_gpu): torch's sync debug mode on top
         self.sites = Counter()     # over the run
         self.window = 0            # since the last read_window()
         self.mode = None
@@ -286,7 +287,7 @@ class SyncAudit:
         self.mode = Mode()
         self.mode.__enter__()
         self._patch_synchronize()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():   # and torch's own report of what waits
+        if self.on_gpu:   # and torch's own report of what waits
             self.debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
         return self

@@ -20,8 +20,6 @@ Micro-batches per optimizer step = gradient accumulation = global / (micro x dat
 """
 from __future__ import annotations
 
-import itertools
-import json
 import math
 import os
 from datetime import timedelta
@@ -30,12 +28,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler
 
+from .checkpoint import load_rng_state, save_rng_state, write_export
 from .config import Config, ConfigError
-from .guard import control_group, slow_barrier
 from .data import Indexed
-from .modeling import masked_lm_loss, per_sample_mlm_loss
+from .guard import control_group, slow_barrier
+from .logs import Trackers
+from .metrics import batch_rows, joined_rows, predictions
+from .modeling import masked_lm_loss
 
 TIED_KEY = "embeddings"
 
@@ -182,23 +182,6 @@ def classification_loss(num_labels: int):
 
 
 # ---------------------------------------------------------------------------- the run
-class _ReplicaBatches(BatchSampler):
-    """Accelerate's sharding for the pipeline: batch i of the seedable order goes to replica
-    i % replicas, so a pipeline run sees exactly the batches of a DDP run with as many ranks.
-    `skip` leaves out a resumed epoch's first batches before they are collated."""
-
-    def __init__(self, sampler, batch_size: int, replicas: int, replica: int):
-        super().__init__(sampler, batch_size=batch_size, drop_last=True)
-        self.replicas, self.replica, self.skip = replicas, replica, 0
-
-    def __iter__(self):
-        mine = (b for i, b in enumerate(super().__iter__()) if i % self.replicas == self.replica and i < len(self) * self.replicas)
-        yield from itertools.islice(mine, self.skip, None)
-
-    def __len__(self):
-        return super().__len__() // self.replicas
-
-
 class PipelineEngine:
     """The DeepSpeed pipeline engine behind train.py's engine interface (see bert_recipes/engine.py).
     Creating it starts the process group: `stages` consecutive ranks form one pipeline, and
@@ -210,8 +193,7 @@ class PipelineEngine:
         import deepspeed
         import deepspeed.comm as dist
 
-        from .backend import (check_consistency, check_trackers, decide_on_gpu, local_capability,
-                              pipeline_replicas, set_tf32)
+        from .backend import check_consistency, check_trackers, local_capability, pipeline_replicas, set_tf32
         from .config import grad_accum_steps
         if cfg.model.gradient_checkpointing:
             raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
@@ -222,15 +204,14 @@ class PipelineEngine:
         if cfg.train.compile:
             raise ConfigError("train.compile under the pipeline engine: DeepSpeed's pipeline runs its stages "
                               "itself; set train.compile=false")
-        trackers = check_trackers(cfg.logging.trackers)
-        if set(trackers) - {"tensorboard"}:
-            raise ConfigError(f"logging.trackers={trackers}: the pipeline engine logs to tensorboard only")
-        self.cfg, self.plan, self.output_dir, self.trackers = cfg, plan, output_dir, trackers
-        self.on_gpu = decide_on_gpu(plan)
+        self.cfg, self.plan, self.output_dir = cfg, plan, output_dir
+        self.on_gpu = plan.on_gpu   # decided once (backend.launch_plan_here)
         set_tf32(cfg.train.tf32, self.on_gpu)
         deepspeed.init_distributed(dist_backend=None if self.on_gpu else "gloo",
                                    timeout=timedelta(seconds=cfg.train.collective_timeout_s))
         self.dist = dist
+        from accelerate import PartialState
+        PartialState()   # no Accelerator here, but Accelerate's trackers (logs.Trackers) log through its state
         self.control = control_group(cfg.train.collective_timeout_s)
         self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
         world, self.rank = dist.get_world_size(), dist.get_rank()
@@ -242,7 +223,7 @@ class PipelineEngine:
         self.is_local_main = int(os.environ.get("LOCAL_RANK", "0")) == 0
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         self.fixed_length = cfg.data.max_seq_length   # the pipeline's buffers have fixed shapes
-        self.writer = None
+        self.trackers = Trackers(check_trackers(cfg.logging.trackers), self.is_main, output_dir / "logs")
         self.setup_line = (f"DeepSpeed pipeline engine, {self.stages} stages x {self.replicas} data-parallel replicas = "
                            f"{world} processes, precision={cfg.train.mixed_precision}; global batch "
                            f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum {self.accum} "
@@ -267,19 +248,13 @@ class PipelineEngine:
         return tensor
 
     def start_trackers(self, run_name: str, config: dict):
-        if self.is_main and "tensorboard" in self.trackers:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(self.output_dir / "logs" / run_name))
+        self.trackers.start(run_name, config)
 
     def log(self, values: dict, step: int):
-        if self.writer is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, step)
+        self.trackers.log(values, step)
 
     def finish(self):
-        if self.writer is not None:
-            self.writer.close()
+        self.trackers.finish()
 
     # ------------------------------------------------------------ setup
     def wrap(self, model):
@@ -301,8 +276,8 @@ class PipelineEngine:
         import copy
 
         import deepspeed
-        from accelerate.data_loader import SeedableRandomSampler
-        from torch.utils.data import DataLoader
+        from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
+        from torch.utils.data import BatchSampler, DataLoader
 
         from .data import loader_kwargs
         t = self.cfg.train
@@ -319,10 +294,14 @@ class PipelineEngine:
         assert self.replica == (self.rank % self.replicas if self.replicas > 1 else 0)
         train_set = Indexed(data["train"])
         self.sampler = SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.cfg.run.seed)
-        self.batch_sampler = _ReplicaBatches(self.sampler, t.micro_batch_size, self.replicas, self.replica)
+        # Accelerate's own sharding, by replica rather than rank: batch i of the seedable order goes to
+        # replica i % replicas (whole rounds only), so a pipeline run sees exactly the batches of a DDP
+        # run with as many ranks; a resumed epoch's first batches are skipped before they are collated.
+        self.batch_sampler = SkipBatchSampler(BatchSamplerShard(
+            BatchSampler(self.sampler, t.micro_batch_size, drop_last=True), self.replicas, self.replica), 0)
         # the loader's own generator: each new iterator draws its base seed from it, not from the global
         # RNG, whose dropout stream a resumed run must continue exactly
-        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=False)
+        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=self.plan.pin_memory)
         self.loader = DataLoader(train_set, batch_sampler=self.batch_sampler, **kwargs)
         self.eval_set, self.eval_collate = Indexed(data["eval"]), copy.copy(collate)
         self.scheduler, self.counts_data = scheduler, self.engine.is_first_stage()
@@ -345,7 +324,7 @@ class PipelineEngine:
     # ------------------------------------------------------------ training
     def batches(self, epoch: int, skip: int):
         self.sampler.set_epoch(epoch)
-        self.batch_sampler.skip = skip
+        self.batch_sampler.skip_batches = skip
         return iter(self.loader)
 
     def train_step(self, batches):
@@ -379,47 +358,38 @@ class PipelineEngine:
                 yield idx, logits, batch["labels"][:valid].to(logits.device)   # the engine moved only its copy
         self.engine.train()
 
-    def _gather(self, rows: dict) -> dict:
+    def _gather(self, parts: list[dict]) -> dict:
+        """Every rank's batches of rows (the last stages hold them) as one set: metrics.joined_rows."""
         everyone = [None] * self.num_processes
-        self.dist.all_gather_object(everyone, rows)
-        return {key: sum((part.get(key, []) for part in everyone), []) for key in set().union(*everyone)}
+        self.dist.all_gather_object(everyone, parts)
+        return joined_rows([part for rank_parts in everyone for part in rank_parts])
 
     def evaluate(self, dataset=None) -> dict:
         """Rows for metrics.eval_metrics, every sample once. dataset: another labelled split."""
-        task, rows = self.cfg.task, {}
-        for _, logits, labels in self._outputs(self.eval_set if dataset is None else Indexed(dataset)):
-            if task.kind == "mlm":
-                sums, counts, correct = per_sample_mlm_loss(logits, labels)
-                found = {"loss_sums": sums, "token_counts": counts, "correct": correct}
-            else:
-                found = {"preds": logits.squeeze(-1) if task.num_labels == 1 else logits.argmax(-1), "refs": labels}
-            for key, value in found.items():
-                rows.setdefault(key, []).extend(value.tolist())
-        return self._gather(rows)
+        parts = [{k: v.cpu() for k, v in batch_rows(self.cfg.task, logits, labels).items()}
+                 for _, logits, labels in self._outputs(self.eval_set if dataset is None else Indexed(dataset))]
+        return self._gather(parts)
 
     def predict(self, dataset):
         """The prediction for every row of `dataset`, in order: class ids, or values for a regression."""
         import numpy as np
-        rows = {"index": [], "preds": []}
-        for idx, logits, _ in self._outputs(Indexed(dataset)):
-            rows["index"] += idx
-            rows["preds"] += (logits.squeeze(-1) if self.cfg.task.num_labels == 1 else logits.argmax(-1)).tolist()
-        rows = self._gather(rows)
-        order = np.argsort(rows.get("index", []), kind="stable")
-        return np.asarray(rows.get("preds", []))[order]
+        parts = [{"index": torch.tensor(idx), "preds": predictions(self.cfg.task, logits).cpu()}
+                 for idx, logits, _ in self._outputs(Indexed(dataset))]
+        rows = self._gather(parts)
+        order = np.argsort(rows.get("index", np.zeros(0)), kind="stable")
+        return rows.get("preds", np.zeros(0))[order]
 
     # ------------------------------------------------------------ state
     def save(self, path: str):
         """DeepSpeed's pipeline checkpoint (weights, optimizer, schedule), plus every rank's random
-        state, which DeepSpeed does not keep: dropout then continues exactly on resume."""
+        state, which DeepSpeed does not keep (in the Accelerate engine's format: checkpoint.save_rng_state),
+        so dropout continues exactly on resume."""
         self.engine.save_checkpoint(path, tag="engine")
-        (Path(path) / f"rng_rank{self.rank}.json").write_text(json.dumps(rng_state(self.on_gpu)))
+        save_rng_state(path, self.rank, self.on_gpu)
 
     def load(self, path: str):
         self.engine.load_checkpoint(str(path), tag="engine")
-        saved = Path(path) / f"rng_rank{self.rank}.json"
-        if saved.exists():
-            set_rng_state(json.loads(saved.read_text()))
+        load_rng_state(path, self.rank, self.on_gpu)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         """Gather every stage's weights onto rank 0 and write an ordinary Hugging Face model, in fp32:
@@ -442,11 +412,7 @@ class PipelineEngine:
             tied_ok = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
             if set(missing) - tied_ok or unexpected:
                 raise RuntimeError(f"pipeline export: missing {sorted(set(missing) - tied_ok)}, unexpected {unexpected}")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(out_dir, safe_serialization=True)
-            tokenizer.save_pretrained(out_dir)
-            (out_dir / "recipe.yaml").write_text(config_yaml)
-            (out_dir / "README.md").write_text(card)
+            write_export(model, out_dir, tokenizer, config_yaml, card)   # the other engines' writer
         self.dist.barrier()
         return out_dir
 
@@ -455,30 +421,6 @@ class PipelineEngine:
         return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, self.rank, self.num_processes, self.device,
                                                           self.on_gpu),
                 "distributed_type": "DEEPSPEED_PIPELINE"}
-
-
-def rng_state(on_gpu: bool) -> dict:
-    """This process's random generators as plain JSON (loading it needs no pickle)."""
-    import random
-
-    import numpy as np
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state().tolist(), "cuda": torch.cuda.get_rng_state().tolist() if on_gpu else None,
-            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-            "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
-
-
-def set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _as_inputs(batch: dict):

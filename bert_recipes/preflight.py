@@ -52,7 +52,7 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
     notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
     check_paths(cfg)
     check_trackers(cfg.logging.trackers)
-    on_gpu = decide_on_gpu(plan, env)
+    on_gpu = plan.on_gpu   # decided once, with the plan (backend.launch_plan_here, launch_plan below)
     if on_gpu and cfg.model.dropout_impl == "packed":
         raise ConfigError("model.dropout_impl=packed is for CPUs (it replaces a CPU's slow serial dropout masks); "
                           "on GPUs torch's fused dropout is the fast one: use model.dropout_impl=torch")
@@ -67,7 +67,7 @@ def choose_micro_batch(cfg: Config, plan: LaunchPlan, world_size: int, env=os.en
     from this GPU's free memory), or taken from the checkpoint a run resumes. -> the note saying why."""
     if cfg.train.micro_batch_size != "auto":
         return []
-    if not decide_on_gpu(plan, env):
+    if not plan.on_gpu:
         raise ConfigError("train.micro_batch_size=auto sizes the batch from a GPU's free memory; on CPU processes set "
                           "a number, e.g. --train.micro_batch_size=32")
     saved = resumed_setting(cfg, "train", "micro_batch_size")
@@ -108,9 +108,10 @@ def same_on_every_rank(value: int, group, key: str) -> None:
 
 def launch_plan(config_file: str, env=os.environ) -> LaunchPlan:
     """The plan `accelerate launch --config_file` would give the ranks, in this environment
-    (a CPU launch's ACCELERATE_USE_CPU=1 included)."""
+    (a CPU launch's ACCELERATE_USE_CPU=1 included), with the device decided as the ranks will."""
     plan = plan_from_config_file(config_file)
     plan.cpu = plan.cpu or _true(env.get("ACCELERATE_USE_CPU"))
+    plan.on_gpu = decide_on_gpu(plan, env)
     return plan
 
 

@@ -3,6 +3,7 @@ BERT recipe (2 layers, hidden 32, sequence 32) and launchers for in-process and 
 multi-process runs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -116,14 +117,17 @@ def launch_commands(script: str, args: list[str], nproc: int, launcher: str = "a
     """The command lines (one per "machine") and environment that run a repository script as a real
     multi-process job on CPU, under a row of the backend matrix. Each row gets the CPU launch that
     really engages it (the table's cpu_env; see FEASIBILITY: the obvious ones silently fall back);
-    FSDP goes through tests/fsdp_cpu_harness.py."""
+    A GPU-only row (FSDP) goes through tests/fsdp_cpu_harness.py, which forces Accelerate's FSDP onto
+    CPU processes: a test's tool only, never a user's launch (backends.tsv gives FSDP no CPU launch)."""
     bin_dir = Path(sys.executable).parent
     row = backend_rows()[backend]
     plan = row.plan
-    base_env = row.cpu_launch_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
-    if plan.kind == "fsdp":
-        base_env["HARNESS_SCRIPT"] = script
-        script = "tests/fsdp_cpu_harness.py"
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if row.gpu_only:
+        base_env.update(ACCELERATE_USE_CPU="1", CUDA_VISIBLE_DEVICES="", HARNESS_SCRIPT=script)
+        script, row = "tests/fsdp_cpu_harness.py", dataclasses.replace(row, cpu_yaml=row.config)
+    else:
+        base_env = row.cpu_launch_env(base_env)
     args = [str(REPO / script)] + args
     port = str(_port())
     if launcher == "torchrun":

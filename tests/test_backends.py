@@ -236,11 +236,16 @@ def test_pipeline_row(row_run, ddp_reference):
 
 def test_pipeline_classification_and_data_parallel(runs, ddp_reference, tmp_path, sample_dir, datasets_cache):
     """Classification through the pipeline, 2 stages x 2 data-parallel replicas = 4 processes,
-    starting from the DDP export; its export is an ordinary BertForSequenceClassification."""
+    starting from the DDP export; its export is an ordinary BertForSequenceClassification, and its
+    TensorBoard points come from the same trackers as every other backend's (logs.Trackers)."""
     export = runs / "ddp/model"
     metrics = launch(4, tiny_args(tmp_path / "pipe_cls", sample_dir, datasets_cache, task="classification", **{
         "model.name_or_path": export, "train.max_steps": 8, "train.global_batch_size": 16,
-        "train.micro_batch_size": 4}), backend="pipeline")
+        "train.micro_batch_size": 4, "logging.trackers": "[tensorboard]"}), backend="pipeline")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = [EventAccumulator(str(f.parent)).Reload() for f in (tmp_path / "pipe_cls/logs").rglob("events.out.tfevents.*")]
+    steps = [e.step for acc in events if "train/loss" in acc.Tags()["scalars"] for e in acc.Scalars("train/loss")]
+    assert steps == [4, 8], steps   # log_every 4, written once (rank 0)
     backend = metrics["final"]["backend"]
     assert backend["pipeline_stages"] == 2 and backend["data_parallel_size"] == 2
     assert sorted(r["stage_id"] for r in backend["ranks"]) == [0, 0, 1, 1]
@@ -335,15 +340,37 @@ def test_epochs_give_the_same_steps_and_schedule_under_ddp_and_the_pipeline(tmp_
     assert max(gaps) < 1e-4, gaps
 
 
+def to_old_rng_format(checkpoint):
+    """Rewrite a checkpoint's random states (Accelerate's random_states_<r>.pkl, which every engine
+    writes now) as the pipeline's earlier rng_rank<r>.json, as a checkpoint from before looks."""
+    from accelerate.utils import load
+    files = sorted(checkpoint.glob("random_states_*.pkl"))
+    assert len(files) == 2, files
+    for path in files:
+        s = load(path)
+        version, internal, gauss = s["random_state"]
+        kind, keys, pos, has_gauss, cached = s["numpy_random_seed"]
+        old = {"torch": s["torch_manual_seed"].tolist(), "cuda": None, "python": [version, list(internal), gauss],
+               "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}
+        (checkpoint / f"rng_rank{path.stem.rsplit('_', 1)[1]}.json").write_text(json.dumps(old))
+        path.unlink()
+    manifest = checkpoint / "manifest.json"   # the damage check must see the old files, as it did then
+    if manifest.exists():
+        from bert_recipes.checkpoint import write_manifest
+        write_manifest(checkpoint)
+
+
 def test_pipeline_resume_with_dropout_is_exact(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """Dropout on (BERT's 0.1): the pipeline's checkpoint carries every rank's random state (DeepSpeed
-    keeps none), so halting at 8 and resuming ends with the uninterrupted run's weights."""
+    keeps none), so halting at 8 and resuming ends with the uninterrupted run's weights; a checkpoint
+    in the earlier rng_rank<r>.json format resumes exactly too."""
     def args(name):
         return tiny_args(tmp_path / name, sample_dir, datasets_cache, **{
             "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": STEPS, "checkpoint.save_every": 8})
     full = launch(2, args("full"), backend="pipeline")
     assert full["final"]["backend"]["pipeline_stages"] == 2 and full["final"]["num_processes"] == 2
     launch(2, args("split") + ["train.halt_at_step=8"], backend="pipeline")
+    to_old_rng_format(tmp_path / "split/checkpoints/step_00000008")   # written before the one format: still exact
     resumed = launch(2, args("split") + ["checkpoint.resume=auto"], backend="pipeline")
     assert resumed["final"]["steps"] == STEPS
     import yaml

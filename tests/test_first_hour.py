@@ -68,6 +68,21 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_launch(tmp_path):
     assert blocker.read_text() == "a file"
 
 
+def test_a_gpu_only_row_on_cpu_is_one_line_from_the_table(tmp_path):
+    """`make fsdp CPU=1`: backends.tsv gives FSDP no CPU launch, and the Makefile says so from the
+    table (gpu-only) in one line, before any process starts; gpu-check skips the row for the same
+    reason, read from the same table."""
+    from bert_recipes.backend import backend_rows
+    assert [name for name, row in backend_rows().items() if row.gpu_only] == ["fsdp"]
+    out = tmp_path / "out"
+    proc = make("fsdp", "CPU=1", f"ARGS=--run.output_dir={out}", timeout=120)
+    assert proc.returncode == 2
+    one_config_error(proc, "fsdp runs on GPUs only (accelerate_configs/backends.tsv)")
+    assert "accelerate launch" not in proc.stdout and not out.exists()
+    with pytest.raises(Exception, match="fsdp runs on GPUs only"):
+        backend_rows()["fsdp"].cpu_config
+
+
 def test_a_mistake_only_a_rank_sees_is_one_line_and_keeps_its_code(tmp_path, sample_dir, datasets_cache,
                                                                    shared_tokenizer):
     """A ZeRO-3 NVMe run whose gradients DeepSpeed would swap on CPU processes (a 1 MiB partition:

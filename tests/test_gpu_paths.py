@@ -42,6 +42,10 @@ def test_every_cpu_launch_hides_the_gpus():
     """The table's CPU rule, used by make <mode> CPU=1, tools/ and the tests: GPUs hidden, and
     DeepSpeed rows never see ACCELERATE_USE_CPU."""
     for name, row in backend_rows().items():
+        if row.gpu_only:   # no CPU launch at all (tests/test_first_hour.py)
+            with pytest.raises(ConfigError, match="runs on GPUs only"):
+                row.cpu_launch_env({})
+            continue
         env = row.cpu_launch_env({"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "0,1"})
         assert env["CUDA_VISIBLE_DEVICES"] == "", name
         if row.plan.kind in ("deepspeed", "pipeline"):
@@ -203,7 +207,7 @@ def test_collectives_get_the_recipes_timeout(monkeypatch):
     cfg = load_config(RECIPE, ["train.collective_timeout_s=42", "train.global_batch_size=64",
                                "train.micro_batch_size=32"])
     with pytest.raises(Stop):
-        backend.build_accelerator(cfg, LaunchPlan(), REPO / "runs/unused")
+        backend.build_accelerator(cfg, LaunchPlan(on_gpu=False), REPO / "runs/unused")
     handler = seen["InitProcessGroupKwargs"]
     assert isinstance(handler, InitProcessGroupKwargs) and handler.timeout == timedelta(seconds=42)
     assert handler.backend == "gloo"

@@ -21,7 +21,7 @@ def test_gpu_check_table_on_cpu(tmp_path):
     for name in ("ddp", "zero2", "pipeline"):
         row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
         assert row.endswith("| ok |") and "| 2 |" in row, row
-    assert "skipped: Accelerate runs FSDP on GPUs only" in table
+    assert "skipped: a GPU-only row (backends.tsv)" in table
 
 
 def test_gpu_check_refuses_without_gpu_unless_cpu():

@@ -22,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bert_recipes
+
 # Expected all-reduce bus bandwidth (GB/s) that a healthy link reaches at large messages: about
 # 60-80% of the link's theoretical unidirectional rate, as nccl-tests typically measure it.
 EXPECTED_BUSBW_GBPS = {
@@ -111,7 +113,8 @@ def main():
                         help="(testing the watchdog) this rank never joins the collectives")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU") != "1"
+    from bert_recipes.backend import launch_plan_here
+    cuda = launch_plan_here().on_gpu   # the same device decision as train.py's
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(args.timeout * 2, 60)))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -120,7 +120,7 @@ def add_run_arguments(parser, work: str, cpu_help: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", help="comma-separated backend names (default: all)")
-    add_run_arguments(parser, work="runs/gpu_check", cpu_help="run on 2 CPU processes (FSDP rows are skipped)")
+    add_run_arguments(parser, work="runs/gpu_check", cpu_help="run on 2 CPU processes (GPU-only rows of backends.tsv are skipped)")
     parser.add_argument("--nproc", type=int, help="default: all GPUs (2 with --cpu)")
     parser.add_argument("--out", help="also write the table (markdown) to this file")
     args = parser.parse_args()
@@ -136,8 +136,8 @@ def main():
     for row in rows():
         if wanted and row.name not in wanted:
             continue
-        if args.cpu and row.plan.kind == "fsdp":
-            results.append({"backend": row.name, "status": "skipped: Accelerate runs FSDP on GPUs only"})
+        if args.cpu and row.gpu_only:   # accelerate_configs/backends.tsv says so
+            results.append({"backend": row.name, "status": "skipped: a GPU-only row (backends.tsv)"})
             continue
         if row.name == "zero3-nvme":
             results.append({"backend": row.name, "status": "skipped: set nvme_path in ds_configs/zero3_nvme.json"})

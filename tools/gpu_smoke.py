@@ -82,7 +82,7 @@ def main():
     parser.add_argument("--rows", help="comma-separated backend rows (default: the matrix's)")
     parser.add_argument("--matrix", choices=sorted(MATRIX), default="default", help="default: 14 launches; full: 26")
     parser.add_argument("--precisions", help="comma-separated, of no,bf16,fp16 (default: per row, as above)")
-    add_run_arguments(parser, work="runs/gpu_smoke", cpu_help="2 CPU processes instead of a GPU (fp16 and FSDP skipped)")
+    add_run_arguments(parser, work="runs/gpu_smoke", cpu_help="2 CPU processes instead of a GPU (fp16 and the GPU-only rows of backends.tsv skipped)")
     parser.add_argument("--out", help="also write the table (markdown) to this file")
     parser.set_defaults(steps=6)
     args = parser.parse_args()
@@ -100,7 +100,7 @@ def main():
         row = by_name[name]
         for precision in (args.precisions or precisions).split(","):
             label = f"{name}/{precision}"
-            if args.cpu and (precision == "fp16" or row.plan.kind == "fsdp"):
+            if args.cpu and (precision == "fp16" or row.gpu_only):   # gpu-only: accelerate_configs/backends.tsv
                 results.append({"row": label, "status": "skipped: GPU only"})
                 continue
             if name == "pipeline" and not args.cpu and gpus < 2:

@@ -175,18 +175,81 @@ def print_plan(args, cfg) -> dict:
 
 
 # ----------------------------------------------------------------------------- measure
+def synthetic_batch(cfg, config, b: int, s: int, k: int | None, masked: int, gen) -> dict:
+    """A batch of the recipe's shape for measure: random tokens; MLM labels on K slots a row (as
+    data.MLMCollator) or on `masked` positions; classification labels."""
+    import torch
+    ids = torch.randint(5, config.vocab_size, (b, s), generator=gen)
+    batch = {"input_ids": ids, "token_type_ids": torch.zeros(b, s, dtype=torch.long)}
+    if cfg.task.kind == "classification":   # padded batches carry a mask (packed MLM blocks come without)
+        batch["attention_mask"] = torch.ones(b, s, dtype=torch.long)
+    if cfg.task.kind == "mlm" and k is not None:   # as data.MLMCollator: K positions a row, in order
+        positions = torch.stack([torch.randperm(s, generator=gen)[:k].sort().values for _ in range(b)])
+        batch["labels"] = torch.full((b, s), -100).scatter(1, positions, ids.gather(1, positions))
+        batch["masked_positions"] = positions
+    elif cfg.task.kind == "mlm":
+        labels = torch.full((b, s), -100)
+        labels.view(-1)[torch.randperm(b * s, generator=gen)[:masked]] = ids.view(-1)[:masked]
+        batch["labels"] = labels
+    else:
+        batch["labels"] = (torch.rand(b, generator=gen) if config.num_labels == 1
+                           else torch.randint(0, config.num_labels, (b,), generator=gen))
+    return batch
+
+
+def print_measured(result: dict, b: int, s: int, out: str | None) -> None:
+    """measure's table: each component estimated and measured on rank 0, and their ratio."""
+    backend, world, device, precision = result["backend"], result["world"], result["device"], result["precision"]
+    estimate, ranks, params = result["estimate"], result["measured_per_rank"], result["full_param_numel"]
+    print(f"[memory] {backend} x{world} on {device}, precision {precision}, "
+          f"micro batch {b} x seq {s}, {params / 1e6:.2f}M parameters")
+    print(f"  {'component':<12} {'estimate':>12} {'measured':>12} {'ratio':>7}")
+    for key in ("parameters", "gradients", "optimizer", "activations"):
+        got = ranks[0][key]
+        print(f"  {key:<12} {estimate[key]:>12,} {got:>12,} {got / estimate[key] if estimate[key] else float('nan'):>7.3f}")
+    if "peak_allocated" in ranks[0]:
+        print(f"  {'peak':<12} {estimate['peak']:>12,} {ranks[0]['peak_allocated']:>12,} "
+              f"{ranks[0]['peak_allocated'] / estimate['peak']:>7.3f}  (torch.cuda.max_memory_allocated)")
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def train_step(model, optimizer, accelerator, engine, batch: dict, probe: bool) -> dict:
+    """measure's optimizer step on one batch; probe: also count the saved activations and the
+    gradients held before the update. engine: DeepSpeed's (it backpropagates and steps itself)."""
+    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+    found = {}
+    if probe:
+        found = measure_activations(model, batch)
+        loss = found.pop("loss")
+    else:
+        loss = model(**batch).loss
+    if engine is not None:   # DeepSpeed: backward, look at the gradients, then step
+        engine.backward(loss)
+        if probe:
+            found["gradients"] = measure_states(model, optimizer)["gradients"]
+        engine.step()
+    else:
+        accelerator.backward(loss)
+        if probe:
+            found["gradients"] = measure_states(model, optimizer)["gradients"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return found
+
+
 def measure(args, cfg) -> dict:
     """One real step of the recipe's model under the launcher's backend; estimate vs measured."""
     import torch
     from torch.utils.data import DataLoader
 
-    from bert_recipes.backend import build_accelerator, read_launch_plan
+    from bert_recipes.backend import build_accelerator, launch_plan_here
     from bert_recipes.modeling import build_model, model_config
     from bert_recipes.config import predictions_per_seq
     from bert_recipes.dropout import packed_dropout_here
     from bert_recipes.optim import build_optimizer
 
-    launch_plan = read_launch_plan()
+    launch_plan = launch_plan_here()
     if launch_plan.pipeline:
         raise ConfigError("--measure runs the Accelerate backends (DDP, ZeRO, FSDP); the pipeline engine is not "
                           "measured (its row in the plan is a first-order estimate)")
@@ -207,22 +270,7 @@ def measure(args, cfg) -> dict:
     masked = b * k if k is not None else math.ceil(cfg.data.mlm_probability * b * s)
 
     def make_batch(_):
-        ids = torch.randint(5, config.vocab_size, (b, s), generator=gen)
-        batch = {"input_ids": ids, "token_type_ids": torch.zeros(b, s, dtype=torch.long)}
-        if cfg.task.kind == "classification":   # padded batches carry a mask (packed MLM blocks come without)
-            batch["attention_mask"] = torch.ones(b, s, dtype=torch.long)
-        if cfg.task.kind == "mlm" and k is not None:   # as data.MLMCollator: K positions a row, in order
-            positions = torch.stack([torch.randperm(s, generator=gen)[:k].sort().values for _ in range(b)])
-            batch["labels"] = torch.full((b, s), -100).scatter(1, positions, ids.gather(1, positions))
-            batch["masked_positions"] = positions
-        elif cfg.task.kind == "mlm":
-            labels = torch.full((b, s), -100)
-            labels.view(-1)[torch.randperm(b * s, generator=gen)[:masked]] = ids.view(-1)[:masked]
-            batch["labels"] = labels
-        else:
-            batch["labels"] = (torch.rand(b, generator=gen) if config.num_labels == 1
-                               else torch.randint(0, config.num_labels, (b,), generator=gen))
-        return batch
+        return synthetic_batch(cfg, config, b, s, k, masked, gen)
 
     loader = DataLoader([make_batch(i)["input_ids"] for i in range(4 * world)], batch_size=b)   # for DS batch autos
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -231,34 +279,16 @@ def measure(args, cfg) -> dict:
     model.train()
 
     def step(batch, probe: bool) -> dict:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        found = {}
-        if probe:
-            found = measure_activations(model, batch)
-            loss = found.pop("loss")
-        else:
-            loss = model(**batch).loss
-        if engine is not None:   # DeepSpeed: backward, look at the gradients, then step
-            engine.backward(loss)
-            if probe:
-                found["gradients"] = measure_states(model, optimizer)["gradients"]
-            engine.step()
-        else:
-            accelerator.backward(loss)
-            if probe:
-                found["gradients"] = measure_states(model, optimizer)["gradients"]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return found
+        return train_step(model, optimizer, accelerator, engine, batch, probe)
 
     step(make_batch(0), probe=False)   # allocates optimizer states and the backends' buffers
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     found = step(make_batch(1), probe=True)
     states = measure_states(model, optimizer)
     measured = {"parameters": states["parameters"], "gradients": found["gradients"], "optimizer": states["optimizer"],
                 "activations": found["activations"], "weight_casts": found["weight_casts"]}
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         measured["peak_allocated"] = torch.cuda.max_memory_allocated()
 
     backend = planner_row(launch_plan)
@@ -276,17 +306,7 @@ def measure(args, cfg) -> dict:
               "full_param_numel": shape.params,
               "estimate": estimate, "measured_per_rank": ranks}
     if accelerator.is_main_process:
-        print(f"[memory] {backend} x{world} on {device.type}, precision {accelerator.mixed_precision}, "
-              f"micro batch {b} x seq {s}, {shape.params / 1e6:.2f}M parameters")
-        print(f"  {'component':<12} {'estimate':>12} {'measured':>12} {'ratio':>7}")
-        for key in ("parameters", "gradients", "optimizer", "activations"):
-            got = ranks[0][key]
-            print(f"  {key:<12} {estimate[key]:>12,} {got:>12,} {got / estimate[key] if estimate[key] else float('nan'):>7.3f}")
-        if "peak_allocated" in ranks[0]:
-            print(f"  {'peak':<12} {estimate['peak']:>12,} {ranks[0]['peak_allocated']:>12,} "
-                  f"{ranks[0]['peak_allocated'] / estimate['peak']:>7.3f}  (torch.cuda.max_memory_allocated)")
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print_measured(result, b, s, args.out)
     accelerator.wait_for_everyone()
     return result
 
