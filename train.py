@@ -31,7 +31,6 @@ from bert_recipes.checkpoint import (check_shared_output_dir, model_card, read_t
 from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
                                  schedule_warnings, to_yaml, validate)
 from bert_recipes.data import on_rank0, prepare_data
-from bert_recipes.dropout import packed_dropout_here
 from bert_recipes.engine import build_engine
 from bert_recipes.guard import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
                                 StopAgreement, all_max, is_collective_timeout, preempted_exit_code)
@@ -159,8 +158,7 @@ def main(cfg: Config) -> dict:
 def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: int):
     """The model (this rank's stage under the pipeline), its optimizer and the schedule over
     `total_steps`. -> (module, optimizer, scheduler, the model's config)."""
-    model = build_model(cfg.model, cfg.task, tokenizer,
-                        packed_dropout=packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile, engine.device.type))
+    model = build_model(cfg.model, cfg.task, tokenizer, packed_dropout=plan.packed_dropout)
     model_config = model.config
     engine.print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
     if getattr(model, "loading_report", None):

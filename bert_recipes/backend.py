@@ -44,6 +44,13 @@ class LaunchPlan:
     # Decided once, for the machine the run is on (launch_plan_here); None in a plan made for elsewhere
     # (the memory planner, tools that plan a launch): those take the device as an input.
     on_gpu: bool | None = None
+    # Resolved with the recipe, once, by resolve_run (preflight): what the engines and the loop read.
+    world: int | None = None                  # processes
+    replicas: int | None = None               # data-parallel replicas (world / stages under the pipeline)
+    accum: int | None = None                  # micro batches per optimizer step
+    precision: str | None = None              # the recipe's train.mixed_precision, checked against the launch files
+    tf32: bool = False                        # TF32 matmuls: train.tf32 on a GPU
+    packed_dropout: bool = False              # packed dropout masks (dropout.packed_dropout_here)
 
     @property
     def pin_memory(self) -> bool:
@@ -184,12 +191,12 @@ def decide_on_gpu(plan: LaunchPlan, env=os.environ, cuda_available: bool | None 
     return cuda and not plan.cpu
 
 
-def set_tf32(enabled: bool, on_gpu: bool) -> None:
+def set_tf32(plan: LaunchPlan) -> None:
     """fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer; a no-op before), as
     NVIDIA's recipes train; MFU then divides by the TF32 peak (bert_recipes.perf.gpu_peak)."""
-    if on_gpu:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+    if plan.on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = plan.tf32
+        torch.backends.cudnn.allow_tf32 = plan.tf32
 
 
 def bf16_supported(capability: tuple[int, int] | None) -> bool:
@@ -326,6 +333,23 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
         raise ConfigError(f"the launch config conflicts with the recipe: {conflicts[0]}")
     if conflicts:
         raise ConfigError("the launch config conflicts with the recipe:\n  - " + "\n  - ".join(conflicts))
+
+
+def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int) -> LaunchPlan:
+    """The plan resolved with the recipe, once, before anything is built (preflight calls it, in every
+    rank and before a Make target launches): world, replicas, accumulation, precision, TF32 and the
+    dropout masks, with recipe and launch files compared (check_consistency). The engines read these
+    fields and never derive them again. Needs plan.on_gpu (launch_plan_here) and a numeric
+    train.micro_batch_size (preflight.choose_micro_batch). -> the same plan, filled in."""
+    from .dropout import packed_dropout_here
+    plan.world, plan.replicas = world_size, pipeline_replicas(plan, world_size)
+    plan.accum = grad_accum_steps(cfg.train, plan.replicas)
+    check_consistency(cfg, plan, plan.replicas, plan.accum, bool(plan.on_gpu),
+                      local_capability() if plan.on_gpu else None)
+    plan.precision, plan.tf32 = cfg.train.mixed_precision, bool(plan.on_gpu and cfg.train.tf32)
+    plan.packed_dropout = packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile,
+                                              "cuda" if plan.on_gpu else "cpu")
+    return plan
 
 
 # ---------------------------------------------------------------------------- DeepSpeed-owned optimizer / schedule
@@ -518,28 +542,26 @@ def check_engaged(accelerator, plan: LaunchPlan) -> None:
 
 
 def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
-    """The Accelerator, with the settings the recipe owns (precision, accumulation, trackers).
-    The backend itself (DDP, DeepSpeed, FSDP) comes from the launch config. -> (accelerator, accum, on_gpu)"""
+    """The Accelerator, with the settings the recipe owns (precision, accumulation, trackers), from a
+    plan resolve_run has filled in (recipe and launch files already compared there). The backend
+    itself (DDP, DeepSpeed, FSDP) comes from the launch config."""
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
                                   ProjectConfiguration)
 
-    # The launcher sets WORLD_SIZE before Python starts, so the accumulation is known up front,
-    # and recipe / accelerate YAML / DeepSpeed JSON are compared before any heavy work.
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    accum = grad_accum_steps(cfg.train, world_size)
-    on_gpu = plan.on_gpu   # decided once (launch_plan_here)
-    check_consistency(cfg, plan, world_size, accum, on_gpu, local_capability() if on_gpu else None)
+    if plan.accum is None:
+        raise RuntimeError("build_accelerator needs a resolved plan: call backend.resolve_run first")
+    world_size, on_gpu = plan.world, plan.on_gpu
     # Every collective gives up after train.collective_timeout_s (a stuck rank, a lost node). On CPU
     # the backend must be named: otherwise Accelerate leaves it unset for DeepSpeed and sees 1 process.
     handlers = [] if world_size == 1 else [InitProcessGroupKwargs(
         backend=None if on_gpu else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
     check_trackers(cfg.logging.trackers)   # opened by the engine (logs.Trackers), the same on every backend
     accelerator = Accelerator(
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=plan.precision,
         # Every optimizer step takes exactly `accum` micro batches (train.py's loop), so the
         # gradients sync on the count alone, never on an epoch's end.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accum, sync_with_dataloader=False),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=plan.accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,   # the engine steps the schedule once per optimizer step
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         # non_blocking: pinned batches are copied to the GPU without making the host wait
@@ -554,7 +576,7 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
         raise ConfigError(f"the launcher started {world_size} processes but Accelerate sees "
                            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
                            "see docs/backends.md 'Launching on CPU' for launch commands that really distribute")
-    return accelerator, accum, on_gpu
+    return accelerator
 
 
 @contextlib.contextmanager

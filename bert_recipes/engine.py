@@ -64,8 +64,9 @@ class AccelerateEngine:
 
     def __init__(self, cfg: Config, plan: LaunchPlan, output_dir: Path):
         self.cfg, self.plan, self.name = cfg, plan, plan.name
-        self.accelerator, self.accum, self.on_gpu = build_accelerator(cfg, plan, output_dir)
-        set_tf32(cfg.train.tf32, self.on_gpu)
+        self.accum, self.on_gpu = plan.accum, plan.on_gpu   # resolved once (backend.resolve_run)
+        self.accelerator = build_accelerator(cfg, plan, output_dir)
+        set_tf32(plan)
         a = self.accelerator
         self.control = control_group(cfg.train.collective_timeout_s)
         self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")

@@ -193,8 +193,7 @@ class PipelineEngine:
         import deepspeed
         import deepspeed.comm as dist
 
-        from .backend import check_consistency, check_trackers, local_capability, pipeline_replicas, set_tf32
-        from .config import grad_accum_steps
+        from .backend import check_trackers, set_tf32
         if cfg.model.gradient_checkpointing:
             raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
                               "pipeline.activation_checkpoint_interval instead")
@@ -206,7 +205,7 @@ class PipelineEngine:
                               "itself; set train.compile=false")
         self.cfg, self.plan, self.output_dir = cfg, plan, output_dir
         self.on_gpu = plan.on_gpu   # decided once (backend.launch_plan_here)
-        set_tf32(cfg.train.tf32, self.on_gpu)
+        set_tf32(plan)
         deepspeed.init_distributed(dist_backend=None if self.on_gpu else "gloo",
                                    timeout=timedelta(seconds=cfg.train.collective_timeout_s))
         self.dist = dist
@@ -215,17 +214,18 @@ class PipelineEngine:
         self.control = control_group(cfg.train.collective_timeout_s)
         self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
         world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.num_processes, self.replicas = world, pipeline_replicas(plan, world)
+        if world != plan.world:
+            raise ConfigError(f"the launcher started {plan.world} processes (WORLD_SIZE) but DeepSpeed sees {world}")
+        # world, replicas and accumulation: resolved once (backend.resolve_run), recipe vs JSON compared there
+        self.num_processes, self.replicas, self.accum = world, plan.replicas, plan.accum
         self.stages, self.partition = world // self.replicas, plan.ds_config["pipeline"].get("partition", "parameters")
-        self.accum = grad_accum_steps(cfg.train, self.replicas)
-        check_consistency(cfg, plan, self.replicas, self.accum, self.on_gpu, local_capability() if self.on_gpu else None)
         self.is_main = self.rank == 0
         self.is_local_main = int(os.environ.get("LOCAL_RANK", "0")) == 0
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         self.fixed_length = cfg.data.max_seq_length   # the pipeline's buffers have fixed shapes
         self.trackers = Trackers(check_trackers(cfg.logging.trackers), self.is_main, output_dir / "logs")
         self.setup_line = (f"DeepSpeed pipeline engine, {self.stages} stages x {self.replicas} data-parallel replicas = "
-                           f"{world} processes, precision={cfg.train.mixed_precision}; global batch "
+                           f"{world} processes, precision={plan.precision}; global batch "
                            f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum {self.accum} "
                            f"x dp {self.replicas}")
 

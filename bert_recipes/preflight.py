@@ -17,10 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from .backend import (LaunchPlan, _true, check_consistency, check_trackers, decide_on_gpu, local_capability,
-                      pipeline_replicas, plan_from_config_file)
+from .backend import LaunchPlan, _true, check_trackers, decide_on_gpu, plan_from_config_file, resolve_run
 from .checkpoint import check_output_dir, check_resume_path
-from .config import Config, ConfigError, grad_accum_steps, parse_train_args, resolve, to_yaml, validate
+from .config import Config, ConfigError, parse_train_args, resolve, to_yaml, validate
 from .data import check_data_files, check_prepared_dir
 
 
@@ -44,21 +43,18 @@ def check_paths(cfg: Config) -> None:
 
 def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) -> list[str]:
     """Every check that needs no data, model or process group; raises ConfigError naming the field.
-    Fills the settings `resolve` derives and train.micro_batch_size=auto. -> the notes to print once
-    the run starts."""
+    Fills the settings `resolve` derives and train.micro_batch_size=auto, and resolves the plan
+    (backend.resolve_run) that the engines read. -> the notes to print once the run starts."""
     validate(cfg)
     notes = resolve(cfg) + choose_micro_batch(cfg, plan, world_size, env)
     # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
     notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
     check_paths(cfg)
     check_trackers(cfg.logging.trackers)
-    on_gpu = plan.on_gpu   # decided once, with the plan (backend.launch_plan_here, launch_plan below)
-    if on_gpu and cfg.model.dropout_impl == "packed":
+    if plan.on_gpu and cfg.model.dropout_impl == "packed":   # on_gpu: decided once, with the plan
         raise ConfigError("model.dropout_impl=packed is for CPUs (it replaces a CPU's slow serial dropout masks); "
                           "on GPUs torch's fused dropout is the fast one: use model.dropout_impl=torch")
-    replicas = pipeline_replicas(plan, world_size)
-    check_consistency(cfg, plan, replicas, grad_accum_steps(cfg.train, replicas), on_gpu,
-                      local_capability() if on_gpu else None)
+    resolve_run(cfg, plan, world_size)   # world, accumulation, precision, TF32, masks; recipe vs launch files
     return notes
 
 

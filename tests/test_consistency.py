@@ -150,6 +150,10 @@ def test_make_targets_use_the_tables_cpu_launch_rule():
 
 
 def test_tools_do_not_import_train_py():
+    """Tools use bert_recipes, not train.py's internals; config_path.py, whose job is to trace a run of
+    train.main, is the one exception."""
     for path in (REPO / "tools").glob("*.py"):
+        if path.name == "config_path.py":
+            continue
         text = path.read_text()
         assert "from train import" not in text and "import train\n" not in text, path

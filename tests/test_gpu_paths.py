@@ -207,7 +207,7 @@ def test_collectives_get_the_recipes_timeout(monkeypatch):
     cfg = load_config(RECIPE, ["train.collective_timeout_s=42", "train.global_batch_size=64",
                                "train.micro_batch_size=32"])
     with pytest.raises(Stop):
-        backend.build_accelerator(cfg, LaunchPlan(on_gpu=False), REPO / "runs/unused")
+        backend.build_accelerator(cfg, backend.resolve_run(cfg, LaunchPlan(on_gpu=False), 2), REPO / "runs/unused")
     handler = seen["InitProcessGroupKwargs"]
     assert isinstance(handler, InitProcessGroupKwargs) and handler.timeout == timedelta(seconds=42)
     assert handler.backend == "gloo"

@@ -45,3 +45,39 @@ def test_train_py_reads_the_device_from_the_plan_only():
              "p = launch_plan_here({'ACCELERATE_USE_CPU': '1'}); print(p.on_gpu, p.pin_memory)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """preflight resolves the plan (backend.resolve_run): world, replicas, accumulation, precision,
+    TF32 and the dropout masks; the recipe is compared with the launch files there, once, and the
+    engines read the result. Followed on a real one-process run (tools/config_path.py): the config
+    never goes back into a module already on the call stack."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from bert_recipes.backend import LaunchPlan, resolve_run
+    from bert_recipes.config import load_config
+    from conftest import tiny_args
+    sys.path.insert(0, str(REPO / "tools"))
+    from config_path import follow, summary
+
+    cfg = load_config(None, tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 2, "model.dropout_impl": "packed",
+        "train.tf32": True}))
+    plan = resolve_run(cfg, LaunchPlan(on_gpu=False), 1)
+    assert (plan.world, plan.replicas, plan.accum, plan.precision) == (1, 1, 2, "no")
+    assert plan.packed_dropout and not plan.tf32   # packed masks on CPU; TF32 is a GPU setting
+    pipe = LaunchPlan(deepspeed=True, ds_config={"pipeline": {"stages": 2}}, on_gpu=False)
+    assert (resolve_run(cfg, pipe, 4).replicas, pipe.accum) == (2, 1)
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        result = summary(follow(cfg))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    calls = result["functions"]
+    assert calls.count("bert_recipes/backend.py:check_consistency") == 1, calls
+    assert calls.count("bert_recipes/config.py:grad_accum_steps") == 1, calls
+    assert result["cycles"] == [] and "bert_recipes/engine.py" in result["files"]
+    assert (tmp_path / "run" / "metrics.json").is_file()

@@ -243,10 +243,9 @@ def measure(args, cfg) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from bert_recipes.backend import build_accelerator, launch_plan_here
+    from bert_recipes.backend import build_accelerator, launch_plan_here, resolve_run
     from bert_recipes.modeling import build_model, model_config
     from bert_recipes.config import predictions_per_seq
-    from bert_recipes.dropout import packed_dropout_here
     from bert_recipes.optim import build_optimizer
 
     launch_plan = launch_plan_here()
@@ -256,10 +255,9 @@ def measure(args, cfg) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world
     out_dir = Path(cfg.run.output_dir)
-    accelerator, _, _ = build_accelerator(cfg, launch_plan, out_dir)
+    accelerator = build_accelerator(cfg, resolve_run(cfg, launch_plan, world), out_dir)
     config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
-    model = build_model(cfg.model, cfg.task, config=config, packed_dropout=packed_dropout_here(
-        cfg.model.dropout_impl, cfg.train.compile, accelerator.device.type))
+    model = build_model(cfg.model, cfg.task, config=config, packed_dropout=launch_plan.packed_dropout)
     shape = Shape.from_config(config, cfg.task.kind)
     optimizer = build_optimizer(model, cfg.optim)
 
