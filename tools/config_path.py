@@ -8,7 +8,8 @@ What counts: every call of a function in train.py or bert_recipes/ that receives
 of its sections (cfg.train, cfg.data, ...) as an argument. A method of the config itself (`self`) is
 not a hand-over.
 - files: the distinct files such calls enter;
-- stops: the sequence of files they enter, consecutive repeats merged;
+- stops: the sequence of files they enter from another file (a call within one file, main to its
+  own helpers, is no hand-over), consecutive repeats merged;
 - trips back up the layers: consecutive stops where the config goes from a lower layer to a higher
   one (config.py > backend.py, say), a layer being a file's height in our module-level imports
   (config.py imports none of ours: 0; backend.py imports config.py: 1; ...). A path that goes
@@ -114,6 +115,8 @@ def summary(calls: list[dict]) -> dict:
     layer = layers()
     stops = []
     for call in calls:
+        if call["caller"] == call["callee"]:
+            continue
         if not stops or stops[-1] != call["callee"]:
             stops.append(call["callee"])
     files = sorted({c["callee"] for c in calls})
