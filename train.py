@@ -367,6 +367,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
     return final
 
 
+LINE_GRACE_S = 10   # how long a silent rank waits after a config error before it exits
+
+
 def run_cli(argv: list[str] | None = None) -> int:
     """train.py's exit codes: 0 done (or halted at train.halt_at_step), 2 a config or input error,
     3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 128 + signal
@@ -385,6 +388,10 @@ def run_cli(argv: list[str] | None = None) -> int:
             return 0
         return main(cfg).get("exit_code", 0)
     except ConfigError as e:
+        if not speaks and os.environ.get("WORLD_SIZE", "1") != "1":
+            # The same mistake is usually seen by every rank: leave rank 0 time to say it before this
+            # rank's exit makes the launcher stop it (seen in CI: the line was lost that way).
+            time.sleep(LINE_GRACE_S)
         if speaks:
             print(f"{prefix}config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
