@@ -33,7 +33,7 @@ from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, opt
 from bert_recipes.data import on_rank0, prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.guard import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
-                                StopAgreement, all_max, is_collective_timeout, preempted_exit_code)
+                                StopAgreement, all_max, is_collective_timeout, leave, preempted_exit_code)
 from bert_recipes.interface import Engine, check_engine
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
@@ -72,6 +72,7 @@ class Run:
     stop_signal: int = 0           # the signal every rank agreed to stop on (0: none)
     guard: StepGuard | None = None
     audit: SyncAudit | None = None   # logging.sync_audit
+    batch_shapes: set = field(default_factory=set)   # every (batch, length) this rank fed the model
 
 
 def main(cfg: Config) -> dict:
@@ -195,9 +196,9 @@ def train(run: Run) -> None:
     background (logging.sync_audit counts what still waits; tests/test_speed.py asserts none)."""
     from tqdm.auto import tqdm
     cfg, engine, state = run.cfg, run.engine, run.state
-    meter = Throughput(engine.counts_data)
+    meter = Throughput(engine.counts_data, cfg.logging.step_times, engine.on_gpu, run.batch_shapes)
     watch = DataLoaderWatch(cfg.logging.dataloader_warn_share)
-    profiler = start_profiler(run.output_dir, engine.on_gpu) if cfg.logging.profile else None
+    profiler = start_profiler(run.output_dir, engine.on_gpu, engine.print0) if cfg.logging.profile else None
     bar = tqdm(total=run.total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
                disable=not (engine.is_local_main and cfg.logging.progress_bar))
     run.guard = StepGuard(cfg.train.max_bad_steps, state.get("skipped_steps", 0))
@@ -260,6 +261,8 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
     row["mfu"] = run.flops_per_token * row["padded_tokens_per_sec"] / (run.peak_flops * engine.num_processes)
     if run.audit is not None:   # logging.sync_audit: host waits in this window's steps
         row["host_syncs"] = run.audit.read_window()
+        if engine.on_gpu:       # torch's sync debug mode, on in the steps
+            row["sync_warnings"] = run.audit.read_warnings()
     _, warning = watch.verdict(row["data_wait_share"], row["window_steps"], row["window_s"])
     if warning:
         engine.print0(warning)
@@ -329,8 +332,12 @@ def finish(run: Run, wall_time_s: float) -> dict:
         engine.finish()
         return halted
     evals = state["history"]["eval"]
-    final = evals[-1] if evals and evals[-1]["step"] == state["step"] else run_eval(run)
-    checkpoint_now(run)
+    if evals and evals[-1]["step"] == state["step"]:
+        final = evals[-1]
+    else:   # train.eval_final=false (benchmarks): no evaluation at the end
+        final = run_eval(run) if cfg.train.eval_final else {"step": state["step"]}
+    if cfg.checkpoint.save_final:
+        checkpoint_now(run)
     final = restore_best(engine, state, run.output_dir) or final    # checkpoint.metric_for_best
     final = {**final, **extra_evaluations(cfg, engine, run.data)}   # data.extra_eval_splits
     write_predictions(cfg, engine, run.data, run.test_index, run.output_dir)   # data.test_splits
@@ -342,7 +349,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
              "wall_time_s": wall_time_s, "num_processes": engine.num_processes,
              "eval_dataset_size": run.eval_dataset_size,
              "predicted_peak_memory_gb": None if predicted != predicted else predicted,
-             "skipped_steps": state.get("skipped_steps", 0),
+             "skipped_steps": state.get("skipped_steps", 0), "batch_shapes": len(run.batch_shapes),
              **engine.final(), "backend": run.backend}
     if run.audit is not None:
         final["sync_audit"] = dict(run.audit.sites)
@@ -410,13 +417,4 @@ def run_cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = run_cli()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Leave without tearing gloo down: its worker threads, in destroy_process_group as in the
-        # interpreter's finalization, can abort a finished run ("terminate called without an active
-        # exception", SIGABRT; seen in CI). A finished run first waits for every rank.
-        if code == 0:
-            torch.distributed.barrier()
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    leave(run_cli())   # without tearing gloo down (guard.leave)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, ConfigError, grad_accum_steps, yaml_problem
+from .config import Config, ConfigError, grad_accum_steps, padded_batches, repeating_shapes, yaml_problem
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS_TSV = REPO / "accelerate_configs" / "backends.tsv"
@@ -51,6 +51,8 @@ class LaunchPlan:
     precision: str | None = None              # the recipe's train.mixed_precision, checked against the launch files
     tf32: bool = False                        # TF32 matmuls: train.tf32 on a GPU
     packed_dropout: bool = False              # packed dropout masks (dropout.packed_dropout_here)
+    padded: bool = False                      # padded batches with an attention mask (config.padded_batches)
+    repeating_shapes: bool = False            # a fixed set of batch shapes (config.repeating_shapes): compile static
 
     @property
     def pin_memory(self) -> bool:
@@ -191,12 +193,26 @@ def decide_on_gpu(plan: LaunchPlan, env=os.environ, cuda_available: bool | None 
     return cuda and not plan.cpu
 
 
-def set_tf32(plan: LaunchPlan) -> None:
-    """fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer; a no-op before), as
-    NVIDIA's recipes train; MFU then divides by the TF32 peak (bert_recipes.perf.gpu_peak)."""
-    if plan.on_gpu:
-        torch.backends.cuda.matmul.allow_tf32 = plan.tf32
-        torch.backends.cudnn.allow_tf32 = plan.tf32
+def set_kernels(plan: LaunchPlan) -> str | None:
+    """The GPU kernels the run's plan calls for, set once before the model runs (nothing on CPUs):
+    - fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer; a no-op before), as
+      NVIDIA's recipes train; MFU then divides by the TF32 peak (bert_recipes.perf.gpu_peak);
+    - padded batches (an attention mask) never take cuDNN's attention: on Hopper torch may pick it for
+      a masked batch, and it builds an execution graph for every new shape, tens of milliseconds on
+      the host (the fine-tuning spikes of 185-250 ms every 3-5 steps measured on an H200, 2026-11-30).
+      They take the memory-efficient kernel, which takes the mask and dropout as inputs and needs no
+      per-shape setup; flash attention takes no mask. Unpadded batches (packed MLM, no mask) keep
+      torch's choice: flash, or cuDNN, whose one graph is then built once.
+    -> a line saying which attention kernels a masked batch may take, or None."""
+    if not plan.on_gpu:
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = plan.tf32
+    torch.backends.cudnn.allow_tf32 = plan.tf32
+    if not plan.padded:
+        return None
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return ("[attention] padded batches: scaled_dot_product_attention's memory-efficient kernel (it takes the mask "
+            "and dropout; cuDNN's attention, off for this run, would build a graph for every new shape)")
 
 
 def bf16_supported(capability: tuple[int, int] | None) -> bool:
@@ -349,6 +365,7 @@ def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int) -> LaunchPlan:
     plan.precision, plan.tf32 = cfg.train.mixed_precision, bool(plan.on_gpu and cfg.train.tf32)
     plan.packed_dropout = packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile,
                                               "cuda" if plan.on_gpu else "cpu")
+    plan.padded, plan.repeating_shapes = padded_batches(cfg), repeating_shapes(cfg)
     return plan
 
 
@@ -567,7 +584,7 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
         # non_blocking: pinned batches are copied to the GPU without making the host wait
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=cfg.data.pin_memory),
         kwargs_handlers=handlers,
-        dynamo_backend="inductor" if cfg.train.compile else None,   # train.compile: Accelerate compiles in prepare
+        dynamo_plugin=dynamo_plugin(cfg.train, plan),   # train.compile: Accelerate compiles in prepare
     )
     check_engaged(accelerator, plan)
     fill_deepspeed_autos(accelerator, cfg)
@@ -577,6 +594,19 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
                            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
                            "see docs/backends.md 'Launching on CPU' for launch commands that really distribute")
     return accelerator
+
+
+def dynamo_plugin(train, plan: LaunchPlan):
+    """train.compile as Accelerate's TorchDynamoPlugin (Accelerate refuses a plugin together with
+    dynamo_backend): train.compile_backend and compile_mode (a mode for inductor only: dynamo's debugging
+    backends take none), dynamic=False when the batches repeat a fixed set of shapes (plan.repeating_shapes:
+    one graph per shape, no symbolic sizes), else torch's automatic dynamic shapes. None: no compile."""
+    if not train.compile:
+        return None
+    from accelerate.utils import TorchDynamoPlugin
+    inductor = train.compile_backend == "inductor"
+    return TorchDynamoPlugin(backend=train.compile_backend, mode=train.compile_mode if inductor else "default",
+                             dynamic=False if plan.repeating_shapes else None)
 
 
 @contextlib.contextmanager
@@ -651,6 +681,9 @@ def describe(accelerator, model, full_param_numel: int) -> dict:
             info["params_on_nvme"] = sum(nvme)
     if accelerator.distributed_type == DistributedType.FSDP:
         info["fsdp_version"] = accelerator.state.fsdp_plugin.fsdp_version
+    plugin = accelerator.state.dynamo_plugin   # train.compile (backend.dynamo_plugin)
+    if plugin is not None and plugin.backend.value != "NO":
+        info["compile"] = {"backend": plugin.backend.value.lower(), "mode": plugin.mode, "dynamic": plugin.dynamic}
     return info
 
 

@@ -120,6 +120,12 @@ class DataConfig:
     """Batch sequences of similar length together (classification, unpacked MLM), so little compute
     goes to padding: ~70% of the positions of the sample task are padding without, under 10% with.
     Still exact on resume. (The pipeline pads to max_seq_length anyway: no effect there.)"""
+    length_bins: Union[int, Literal["auto"]] = "auto"
+    """Padded batches (classification, unpacked MLM) are padded to one of at most this many lengths: the
+    quantiles of the training set's lengths that leave the least padding (the longest length of the run's
+    splits is always one), so the same few shapes repeat: each new shape costs kernels, cuDNN graphs and a
+    torch.compile recompile. auto: 8 on GPUs, off on CPUs; 0: off (each batch padded to its longest, rounded up to a
+    multiple of 8 on GPUs). At most 8: dynamo's recompile limit (train.compile compiles each bin once)."""
     packing: bool = True
     """mlm only. True: concatenate then chunk into full blocks (no padding, standard for
     pretraining). False: one line per example, padded dynamically per batch."""
@@ -148,9 +154,11 @@ class DataConfig:
     max_eval_samples: Optional[int] = None
     num_proc: Optional[int] = None
     """Processes for datasets.map tokenization (results are cached by fingerprint)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
-    persistent_workers: bool = False
+    num_workers: Union[int, Literal["auto"]] = "auto"
+    """DataLoader worker processes per rank. auto: 0 on CPUs (the step needs every core), and on GPUs
+    min(4, cores this rank may use - 1): the cores of os.sched_getaffinity shared by the node's ranks
+    (LOCAL_WORLD_SIZE), one kept for the training process. Resolved before the run and logged."""
+    persistent_workers: bool = True
     """Keep DataLoader workers alive across epochs (needs num_workers > 0). MLM masks still change every
     epoch: the collator's epoch lives in shared memory, which the workers read."""
     pin_memory: bool = True
@@ -212,13 +220,24 @@ class TrainConfig:
     """fp16 needs a CUDA GPU: on a CPU it is refused (Accelerate would silently ignore it)."""
     compile: bool = False
     """torch.compile the model (inductor): fused kernels, faster steps after a compile of the first
-    steps (make bench measures both). mlm needs static shapes: data.max_predictions_per_seq."""
+    steps (make bench measures both). mlm needs static shapes: data.max_predictions_per_seq. Shapes
+    that repeat (packed MLM blocks, data.length_bins) compile with dynamic=False, one graph each;
+    evaluation runs eagerly (torch.compiler.set_stance("force_eager")), so it adds no graphs."""
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
+    """torch.compile's mode. reduce-overhead: CUDA graphs (the fewest host launches; needs static shapes);
+    max-autotune-no-cudagraphs: inductor tries kernel configurations (compiles for minutes)."""
+    compile_backend: Literal["inductor", "eager", "aot_eager"] = "inductor"
+    """inductor generates the kernels. eager / aot_eager are dynamo's debugging backends: the same
+    tracing and guards, no kernels, so recompiles can be checked in seconds."""
     tf32: bool = True
     """On GPUs of compute capability 8.0 or newer, fp32 matmuls run on TF32 tensor cores (10-bit
     mantissa, ~8x the fp32 rate), as NVIDIA's BERT recipes train; MFU divides by the TF32 peak.
     false: full-FP32 matmuls, and MFU against the FP32 peak. Has no effect on CPUs."""
     eval_every: Optional[int] = None
-    """Evaluate every N optimizer steps (and always at the end). None: only at the end."""
+    """Evaluate every N optimizer steps (and at the end, see eval_final). None: only at the end."""
+    eval_final: bool = True
+    """Evaluate once more at the end of the run. false: no final evaluation (benchmarks, launch-cost
+    measurements): metrics.json then has the evaluations of train.eval_every only."""
     halt_at_step: Optional[int] = None
     """Stop at this step after saving a checkpoint, as if the job's time ran out; the schedule
     still spans the whole run. Continue with --resume auto (splits a run over job-time limits)."""
@@ -240,6 +259,9 @@ class CheckpointConfig:
     resume: Optional[str] = None
     """None: start fresh. 'auto': the latest complete checkpoint in output_dir, if any.
     Or a path to one checkpoint directory."""
+    save_final: bool = True
+    """Save a checkpoint at the end of a finished run (a halted or preempted run always saves one, to
+    resume from). false: benchmarks, which need no 1.3 GB checkpoint of BERT-base."""
     export: bool = True
     """At the end, write model + tokenizer in Hugging Face format to output_dir/model."""
     metric_for_best: Optional[str] = None
@@ -270,8 +292,13 @@ class LoggingConfig:
     sync_audit: bool = False
     """Count, in the steps between log steps, the calls that would make the host wait for a GPU (a
     tensor read as a number, copied to the host, or indexed by a boolean mask; synchronize), by call
-    site: each log line gets `host_syncs`, metrics.json the sites (bert_recipes.perf.SyncAudit). A
-    diagnostic: it slows the step it watches."""
+    site: each log line gets `host_syncs`, metrics.json the sites (bert_recipes.perf.SyncAudit). It also
+    counts the host-to-device copies the repository's own code makes in the step (a tensor built from
+    Python data on the device, a copy onto it). On a GPU it turns on torch.cuda.set_sync_debug_mode("warn")
+    in the step too, and each log line gets `sync_warnings`. A diagnostic: it slows the step it watches."""
+    step_times: bool = False
+    """Time every optimizer step (CUDA events on a GPU, read at log steps without waiting in between;
+    the host clock on a CPU): each log row gets `step_times_ms`. make bench's fine-tuning rows use it."""
 
 
 @dataclass
@@ -528,7 +555,8 @@ _RANGES = [
     ("data.max_predictions_per_seq", lambda v: v == "auto" or v > 0, "positive, or auto"),
     ("data.max_eval_samples", lambda v: v > 0, "positive"),
     ("data.validation_split_percentage", lambda v: 0 < v < 100, "in (0, 100)"),
-    ("data.num_workers", lambda v: v >= 0, ">= 0"),
+    ("data.num_workers", lambda v: v == "auto" or v >= 0, ">= 0, or auto"),
+    ("data.length_bins", lambda v: v == "auto" or 0 <= v <= 8, "in [0, 8], or auto"),
     ("data.prepare_timeout_s", lambda v: v > 0, "positive (seconds)"),
     ("model.hidden_size", lambda v: v > 0, "positive"),
     ("model.num_hidden_layers", lambda v: v > 0, "positive"),
@@ -553,6 +581,20 @@ def predictions_per_seq(cfg: Config) -> int | None:
     if d.max_predictions_per_seq == "auto" or (d.max_predictions_per_seq is None and cfg.train.compile):
         return max(1, round(d.mlm_probability * d.max_seq_length))
     return d.max_predictions_per_seq
+
+
+def padded_batches(cfg: Config) -> bool:
+    """Are this run's batches padded (lengths that vary, an attention mask)? Packed MLM blocks are not."""
+    return cfg.task.kind != "mlm" or not cfg.data.packing
+
+
+def repeating_shapes(cfg: Config) -> bool:
+    """Do the training batches take a fixed set of shapes (so torch.compile can compile each once, with
+    dynamic=False)? Packed MLM blocks with K predictions (or the dense head) have one shape; padded
+    batches repeat only with length bins (data.length_bins, once resolved to a number)."""
+    if padded_batches(cfg):
+        return isinstance(cfg.data.length_bins, int) and cfg.data.length_bins > 0
+    return cfg.task.kind != "mlm" or cfg.data.max_predictions_per_seq is not None or not cfg.model.sparse_mlm_head
 
 
 def resolve(cfg: Config) -> list[str]:

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -365,7 +366,11 @@ class LengthGroupedBatches:
 
 # ---------------------------------------------------------------------------- collators
 class Indexed(Dataset):
-    """Adds each row's index as 'idx', which the MLM collator seeds its masking from."""
+    """Adds each row's index as 'idx', which the MLM collator seeds its masking from.
+
+    `__getitems__` reads a whole micro batch in one Arrow call (the DataLoader's fetcher uses it when
+    it exists): row by row, a micro batch of 256 costs 256 table slices and conversions on the
+    process that collates (the training process itself with data.num_workers=0); here, one."""
 
     def __init__(self, dataset):
         self.dataset = dataset
@@ -375,6 +380,61 @@ class Indexed(Dataset):
 
     def __getitem__(self, i):
         return {**self.dataset[int(i)], "idx": int(i)}
+
+    def __getitems__(self, indices) -> list[dict]:
+        """Rows `indices` (any sequence of ints: a list, a tuple, a tensor) as __getitem__ gives them."""
+        indices = [int(i) for i in indices]
+        if not hasattr(self.dataset, "column_names"):   # not a datasets.Dataset (a list of rows): one by one
+            return [self[i] for i in indices]
+        columns = self.dataset[indices]   # {column: [value of each row]}
+        return [{**{k: values[j] for k, values in columns.items()}, "idx": i} for j, i in enumerate(indices)]
+
+
+def sequence_lengths(dataset, column: str = "input_ids") -> list[int]:
+    """The token count of every row, from Arrow's list lengths (no row is converted to Python)."""
+    import pyarrow.compute as pc
+    values = dataset.with_format("arrow")[column]
+    return pc.list_value_length(values).to_pylist()
+
+
+def length_bins(lengths: list[int], bins: int, multiple: int | None, longest: int | None = None) -> list[int]:
+    """At most `bins` padded lengths for batches of these sequences, each rounded up to `multiple` (8 on
+    GPUs: tensor cores): the quantiles of `lengths` that leave the least padding when each sequence is
+    padded to the smallest bin that holds it (a dynamic program over the histogram of the lengths, so
+    the bins sit where the sequences are). The longest length, or `longest` when another split has a
+    longer row, is always the last bin. A batch is padded to the smallest bin that holds its longest
+    sequence (padded_width), so the same few shapes repeat. -> sorted lengths, or [] for bins=0."""
+    import numpy as np
+    if not bins or not lengths:
+        return []
+    step = multiple or 1
+    up = lambda n: -(-n // step) * step   # noqa: E731
+    histogram = Counter(up(n) for n in lengths)
+    histogram[up(max(max(lengths), longest or 0))] += 0
+    values = np.array(sorted(histogram), dtype=np.float64)
+    if len(values) <= bins:
+        return [int(v) for v in values]
+    counts = np.array([histogram[int(v)] for v in values], dtype=np.float64)
+    below = np.concatenate([[0.0], np.cumsum(counts)])             # below[i]: sequences of value index < i
+    below_sum = np.concatenate([[0.0], np.cumsum(counts * values)])
+    m = len(values)
+    # padding[b][j]: the least padding of the sequences of value index <= j in b bins, the last ending at j
+    padding = np.full((bins + 1, m), np.inf)
+    back = np.full((bins + 1, m), -1, dtype=np.int64)
+    padding[1] = values * below[1:] - below_sum[1:]
+    for b in range(2, bins + 1):
+        for j in range(b - 1, m):   # the bin before ends at i < j; the sequences of i+1..j pad to values[j]
+            i = np.arange(j)
+            cost = padding[b - 1, :j] + values[j] * (below[j + 1] - below[i + 1]) - (below_sum[j + 1] - below_sum[i + 1])
+            back[b, j] = int(cost.argmin())
+            padding[b, j] = cost[back[b, j]]
+    edges, j = [], m - 1
+    for b in range(bins, 0, -1):
+        edges.append(int(values[j]))
+        j = back[b, j]
+        if j < 0:
+            break
+    return sorted(edges)
 
 
 def _seed_of(*parts: int) -> int:
@@ -436,6 +496,7 @@ class MLMCollator:
         self.seed = seed
         self.pad_to_multiple_of = pad_to_multiple_of
         self.fixed_length = fixed_length
+        self.bins: list[int] | None = None   # data.length_bins, set by the engine (fit_length_bins)
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.vocab_size = len(tokenizer)
         self.whole_word = whole_word
@@ -498,7 +559,7 @@ class MLMCollator:
         return torch.from_numpy(chosen_word).gather(1, word) & valid
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length)
+        batch = _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length, self.bins)
         special = batch.pop("special_tokens_mask").bool()
         if "attention_mask" in batch:
             special |= batch["attention_mask"] == 0
@@ -534,28 +595,56 @@ class ClassificationCollator:
         self.pad_id = tokenizer.pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.fixed_length = fixed_length
+        self.bins: list[int] | None = None   # data.length_bins, set by the engine (fit_length_bins)
         self.epoch = 0
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length)
+        return _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length, self.bins)
 
 
-def _collate(examples: list[dict], pad_id: int, pad_to_multiple_of: int | None, fixed_length: int | None) -> dict:
+def fit_length_bins(collate, data: dict, bins: int, print0=print) -> list[int] | None:
+    """data.length_bins for the run's padded batches: the bins from the training split's lengths, the
+    longest row of any split the run collates (eval, extra eval, test) always the last, set on the
+    collator that every loader copies. -> the training split's lengths (LengthGroupedBatches reuses
+    them), or None without bins."""
+    if not bins:
+        return None
+    lengths = sequence_lengths(data["train"])
+    longest = max(max(sequence_lengths(split), default=0) for split in data.values())
+    collate.bins = length_bins(lengths, bins, collate.pad_to_multiple_of, longest)
+    padded = sum(padded_width(n, collate.pad_to_multiple_of, collate.bins) for n in lengths)
+    print0(f"[data] data.length_bins={bins}: padded batches take one of the lengths {collate.bins}, the quantiles of "
+           f"the {len(lengths)} training sequences' lengths that leave the least padding ({1 - sum(lengths) / padded:.1%}"
+           " of the positions, each sequence padded to its bin)")
+    return lengths
+
+
+def padded_width(longest: int, pad_to_multiple_of: int | None, bins: list[int] | None) -> int:
+    """The length a padded batch whose longest row has `longest` tokens is padded to: the smallest of
+    `bins` that holds it (data.length_bins), else `longest` rounded up to `pad_to_multiple_of`."""
+    for width in bins or ():
+        if width >= longest:
+            return width
+    return -(-longest // pad_to_multiple_of) * pad_to_multiple_of if pad_to_multiple_of else longest
+
+
+def _collate(examples: list[dict], pad_id: int, pad_to_multiple_of: int | None, fixed_length: int | None,
+             bins: list[int] | None = None) -> dict:
     """Tensors of a list of tokenized rows. Rows of one length (packed MLM blocks) are stacked as they
     are, without an attention_mask: the model then attends everywhere, and builds no mask (on a GPU,
     checking an all-ones mask makes the host wait: bert_recipes.dropout). Otherwise every row is
-    padded to the longest (rounded up to a multiple of `pad_to_multiple_of`), or to `fixed_length`
-    (the pipeline engine needs fixed shapes), with an attention_mask."""
+    padded (padded_width: to a length bin, or to the longest rounded up to `pad_to_multiple_of`), or
+    to `fixed_length` (the pipeline engine needs fixed shapes), with an attention_mask. With `bins`
+    every batch is padded to a bin and has a mask, even one whose rows are of one length: the model
+    then sees only the bins' shapes and always the same inputs (one compiled graph per bin)."""
     import numpy as np   # numpy builds an int64 array from lists about 6x faster than torch.tensor
     lengths = [len(e["input_ids"]) for e in examples]
     columns = [k for k in examples[0] if k not in ("idx", "labels", "label")]
-    if fixed_length is None and min(lengths) == max(lengths):
+    if fixed_length is None and not bins and min(lengths) == max(lengths):
         batch = {k: torch.from_numpy(np.array([e[k] for e in examples], dtype=np.int64))
                  for k in columns if k != "attention_mask"}
     else:
-        width = fixed_length or max(lengths)
-        if pad_to_multiple_of and not fixed_length:
-            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        width = fixed_length or padded_width(max(lengths), pad_to_multiple_of, bins)
         fill = {"input_ids": pad_id, "special_tokens_mask": 1}
         batch = {}
         for k in sorted(set(columns) | {"attention_mask"}):
@@ -663,11 +752,25 @@ def make_collator(cfg, tokenizer, fixed_length: int | None):
 PREPARED_META = "prepared.json"
 
 
+def tokenizer_identity(name: str | None) -> str | None:
+    """A tokenizer as prepared data records it: a Hub name as it is; a local directory by the content of
+    its files (sha256:...), so the data stays usable where the directory sits elsewhere (another
+    node's mount, the GPU machine, a moved checkout)."""
+    if not name or not Path(name).expanduser().is_dir():
+        return name
+    digest = hashlib.sha256()
+    for path in sorted(Path(name).expanduser().iterdir()):
+        if path.is_file() and (path.name.startswith(("tokenizer", "vocab", "merges", "special_tokens"))):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return "sha256:" + digest.hexdigest()[:32]
+
+
 def prepared_signature(cfg) -> dict:
     """The settings that decide a run's tokens: prepared data is used only by a recipe that agrees."""
     d, t = cfg.data, cfg.task
     return {"task.kind": t.kind, "task.num_labels": t.num_labels if t.kind == "classification" else None,
-            "task.label_names": t.label_names, "tokenizer": cfg.tokenizer.name_or_path or cfg.model.name_or_path,
+            "task.label_names": t.label_names,
+            "tokenizer": tokenizer_identity(cfg.tokenizer.name_or_path or cfg.model.name_or_path),
             "tokenizer.vocab_size": cfg.tokenizer.vocab_size if not (cfg.tokenizer.name_or_path or cfg.model.name_or_path)
             else None,
             **{f"data.{k}": getattr(d, k) for k in (
@@ -691,8 +794,10 @@ def load_prepared(cfg):
     root = check_prepared_dir(cfg.data)
     meta = json.loads((root / PREPARED_META).read_text())
     expected = prepared_signature(cfg)
+    given = cfg.tokenizer.name_or_path or cfg.model.name_or_path   # data prepared before tokenizer_identity: a path
     differ = [f"{k}: prepared {meta['signature'].get(k)!r}, this run {v!r}" for k, v in expected.items()
-              if k != "data.source" and meta["signature"].get(k) != v]
+              if k != "data.source" and meta["signature"].get(k) != v
+              and not (k == "tokenizer" and meta["signature"].get(k) == given)]
     if differ:
         raise ConfigError(f"data.prepared_dir={root} was prepared with other settings ({'; '.join(differ)}): prepare "
                           "it again with this recipe")

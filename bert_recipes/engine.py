@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from .backend import (LaunchPlan, build_accelerator, check_nvme_gradient_swap, deepspeed_owned, describe,
-                      optimizer_in_effect, rank_checksums, set_tf32, zero3_keeps_model_dtype)
+                      optimizer_in_effect, rank_checksums, set_kernels, zero3_keeps_model_dtype)
 from .checkpoint import export_model
 from .config import Config
-from .data import Indexed, LengthGroupedBatches, loader_kwargs
+from .data import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .guard import control_group, on_any_rank, slow_barrier
 from .logs import Trackers
 from .metrics import batch_rows, joined_rows, predictions
@@ -31,6 +31,14 @@ def build_engine(cfg: Config, plan: LaunchPlan, output_dir: Path):
         from .pipeline import PipelineEngine
         return PipelineEngine(cfg, plan, output_dir)
     return AccelerateEngine(cfg, plan, output_dir)
+
+
+def eager_under_compile(compiled: bool):
+    """Evaluation and prediction under train.compile run the model eagerly: each eval shape (eval mode,
+    the last partial batch, every length bin) would otherwise be one more graph, compiled for seconds
+    to minutes and counted against dynamo's recompile limit (8), past which dynamo falls back to eager
+    for training too, silently. torch.compiler.set_stance is public and restores the stance before."""
+    return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
 def skip_update_if(optimizer, scaler, skipped) -> bool:
@@ -66,7 +74,7 @@ class AccelerateEngine:
         self.cfg, self.plan, self.name = cfg, plan, plan.name
         self.accum, self.on_gpu = plan.accum, plan.on_gpu   # resolved once (backend.resolve_run)
         self.accelerator = build_accelerator(cfg, plan, output_dir)
-        set_tf32(plan)
+        kernels = set_kernels(plan)
         a = self.accelerator
         self.control = control_group(cfg.train.collective_timeout_s)
         self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
@@ -77,6 +85,8 @@ class AccelerateEngine:
         self.setup_line = (f"{a.distributed_type} x{a.num_processes} on {a.device}, precision={a.mixed_precision}; "
                            f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
                            f"accum {self.accum} x world {a.num_processes}")
+        if kernels:
+            self.print0(kernels)
 
     # ------------------------------------------------------------ communication and output
     def print0(self, *args):
@@ -120,8 +130,9 @@ class AccelerateEngine:
         if not self.on_gpu:   # lengths rounded up to a multiple of 8 feed tensor cores; on a CPU it is only padding
             collate.pad_to_multiple_of = None
         kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=self.plan.pin_memory)
+        lengths = fit_length_bins(collate, data, self.cfg.data.length_bins if self.plan.padded else 0, self.print0)
         if self.cfg.data.group_by_length:   # batches of similar length (data.LengthGroupedBatches)
-            lengths = [len(ids) for ids in data["train"]["input_ids"]]
+            lengths = lengths or sequence_lengths(data["train"])
             batches = LengthGroupedBatches(lengths, t.micro_batch_size, self.cfg.run.seed,
                                            step_batches=t.global_batch_size // t.micro_batch_size)
             train_loader = DataLoader(Indexed(data["train"]), batch_sampler=batches, **kwargs)
@@ -212,10 +223,11 @@ class AccelerateEngine:
         ids, or values for a regression."""
         preds = []
         self.model.eval()
-        for batch in self._loader(dataset):
-            batch.pop("labels", None)
-            p = predictions(self.cfg.task, self.model(**batch).logits)
-            preds.append(self.accelerator.gather_for_metrics(p).cpu())
+        with eager_under_compile(self.cfg.train.compile):
+            for batch in self._loader(dataset):
+                batch.pop("labels", None)
+                p = predictions(self.cfg.task, self.model(**batch).logits)
+                preds.append(self.accelerator.gather_for_metrics(p).cpu())
         self.model.train()
         return torch.cat(preds).numpy()
 
@@ -225,10 +237,12 @@ class AccelerateEngine:
         to the last batch. -> rows for metrics.eval_metrics. dataset: another labelled split."""
         self.model.eval()
         parts = []
-        for batch in (self.eval_loader if dataset is None else self._loader(dataset)):
-            found = batch_rows(self.cfg.task, self.model(**batch).logits, batch["labels"], batch.get("masked_positions"))
-            gathered = self.accelerator.gather_for_metrics(tuple(found.values()))
-            parts.append({key: value.cpu() for key, value in zip(found, gathered)})
+        with eager_under_compile(self.cfg.train.compile):
+            for batch in (self.eval_loader if dataset is None else self._loader(dataset)):
+                found = batch_rows(self.cfg.task, self.model(**batch).logits, batch["labels"],
+                                   batch.get("masked_positions"))
+                gathered = self.accelerator.gather_for_metrics(tuple(found.values()))
+                parts.append({key: value.cpu() for key, value in zip(found, gathered)})
         self.model.train()
         return joined_rows(parts)
 

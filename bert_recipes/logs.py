@@ -17,11 +17,26 @@ class Throughput:
     model, so their ratio shows how much compute padding wastes. Counts and losses stay tensors on
     the batch's device until `read()`, so a GPU never waits for the host between log steps.
     `counts_data=False` (a middle or last pipeline stage) times its steps but counts no data, so
-    every sequence is counted once."""
+    every sequence is counted once. `shapes` collects every batch shape this rank fed the model.
+    step_times (logging.step_times): each step's end is marked (a CUDA event on a GPU, recorded on the
+    stream without waiting; the host clock on a CPU), and `read()` turns the marks into per-step times:
+    on a GPU the device's time from one step's end to the next, which includes the time it sat idle
+    waiting for the host."""
 
-    def __init__(self, counts_data: bool = True):
-        self.counts_data = counts_data
+    def __init__(self, counts_data: bool = True, step_times: bool = False, on_gpu: bool = False,
+                 shapes: set | None = None):
+        self.counts_data, self.step_times, self.on_gpu = counts_data, step_times, on_gpu
+        self.shapes = shapes if shapes is not None else set()
+        self.marks: list = []
+        self.last_mark = self._mark() if step_times else None
         self.reset()
+
+    def _mark(self):
+        if self.on_gpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     def reset(self):
         self.t0 = time.perf_counter()
@@ -32,6 +47,7 @@ class Throughput:
         self.tokens_padded = 0
         self.loss_sum = 0.0
         self.steps = 0
+        self.marks = []
 
     def feed(self, batches: Iterator[dict]) -> Iterator[dict]:
         """Pass micro-batches through, timing the wait for each (the data-loader verdict) and
@@ -46,6 +62,7 @@ class Throughput:
             self.wait_s += time.perf_counter() - t0
             if self.counts_data:
                 ids = batch["input_ids"]
+                self.shapes.add(tuple(ids.shape))
                 self.samples += ids.shape[0]
                 self.tokens_padded += ids.numel()
                 self.tokens_real = self.tokens_real + (batch["attention_mask"].sum() if "attention_mask" in batch
@@ -57,10 +74,24 @@ class Throughput:
         self.steps += 1
         if self.counts_data:
             self.loss_sum = self.loss_sum + loss
+        if self.step_times:   # (start, end): from the previous step's end, or the end of what was set aside
+            end = self._mark()
+            self.marks.append((self.last_mark, end))
+            self.last_mark = end
 
     def exclude(self, seconds: float):
         """Take time spent outside training (eval, checkpoints) out of the window."""
         self.excluded_s += seconds
+        if self.step_times:   # the next step is timed from here
+            self.last_mark = self._mark()
+
+    def _step_times_ms(self) -> list[float]:
+        if not self.marks:
+            return []
+        if self.on_gpu:
+            self.marks[-1][1].synchronize()
+            return [start.elapsed_time(end) for start, end in self.marks]
+        return [(end - start) * 1000 for start, end in self.marks]
 
     def read(self, all_sum: Callable, device) -> dict[str, float]:
         """Sums over ranks (one small all-reduce, `all_sum`), then rates over the window's wall time."""
@@ -77,6 +108,8 @@ class Throughput:
                "step_time_s": elapsed / max(self.steps, 1),
                "data_wait_share": wait / (elapsed * max(ranks, 1)),
                "window_s": elapsed, "window_steps": self.steps, "window_tokens": real}
+        if self.step_times:
+            out["step_times_ms"] = self._step_times_ms()
         self.reset()
         return out
 

@@ -153,20 +153,29 @@ class DataLoaderWatch:
         return share, "\n".join(lines)
 
 
-def start_profiler(output_dir, on_gpu: bool):
-    """torch.profiler over optimizer steps 2-4 (wait 1, warmup 1, active 3), TensorBoard trace."""
+def start_profiler(output_dir, on_gpu: bool, say=print):
+    """torch.profiler over optimizer steps 2-4 (wait 1, warmup 1, active 3), TensorBoard trace. A diagnostic:
+    where it cannot start (no CUPTI in a container, say), one line, and the run trains without it."""
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                       on_trace_ready=tensorboard_trace_handler(str(output_dir / "profile")))
-    profiler.start()
+    try:
+        profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                           on_trace_ready=tensorboard_trace_handler(str(output_dir / "profile")))
+        profiler.start()
+    except Exception as err:   # noqa: BLE001 (whatever the profiler raises: the run is the point)
+        say(f"[profile] logging.profile: the profiler did not start ({type(err).__name__}: {str(err)[:120]}); "
+            "training goes on without it")
+        return None
     return profiler
 
 
 def profile_table(profiler, output_dir, on_gpu: bool) -> str:
     """The top 10 operators by self time over the profiled steps."""
     key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
-    table = profiler.key_averages().table(sort_by=key, row_limit=10)
+    try:
+        table = profiler.key_averages().table(sort_by=key, row_limit=10)
+    except Exception as err:   # noqa: BLE001
+        return f"[profile] no table: {type(err).__name__}: {str(err)[:120]}"
     return f"[profile] top 10 operators by self time (trace: tensorboard --logdir {output_dir / 'profile'})\n{table}"
 
 
@@ -250,25 +259,85 @@ def allowed_deepspeed_sync(site: str) -> bool:
     return f"{file} {function}" in DEEPSPEED_SYNCS
 
 
+# Python data written to the device: a tensor built there from Python values, or a copy onto it. On a
+# GPU each is a pageable host-to-device copy that torch follows with a stream synchronize.
+CREATIONS = {"tensor", "as_tensor", "scalar_tensor"}
+TRANSFERS = {"to", "cuda", "copy_", "__setitem__"}
+
+
+def _ours(site: str) -> bool:
+    """A call site in the repository's own code (train.py, bert_recipes/), not a library's."""
+    return site.startswith(("train.py:", "bert_recipes/"))
+
+
+def _target(value) -> torch.device | None:
+    """The device a `.to(...)` argument names (a device, a string, a CUDA index), or None."""
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        return torch.device(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.device("cuda", value)
+    return None
+
+
 class SyncAudit:
-    """Counts, while it is entered, the calls that would make the host wait for a GPU (SYNC_CALLS,
-    boolean-mask indexing, and torch.cuda / DeepSpeed `synchronize`), by call site. On a CPU the same
-    calls return at once, but they are the same calls: a sync-free step on the CPU is a sync-free step
-    on a GPU, and a call site named here is one a GPU run waits at. Host-only work (HOST_SITES) is
-    left out. On a GPU it also turns on torch.cuda.set_sync_debug_mode("warn") while it is entered, so
-    torch itself warns at each synchronizing CUDA call."""
+    """Counts, while it is entered, the calls that would make the host wait for a GPU, by call site:
+    - reads (SYNC_CALLS, boolean-mask indexing) and torch.cuda / DeepSpeed `synchronize`;
+    - writes from the repository's own code (train.py, bert_recipes/): a tensor built on the device
+      from Python data (CREATIONS with a `device`), a copy onto the device (TRANSFERS). On a GPU a copy
+      counts when its source is on the host; on a CPU everything is, so what counts is a call that names
+      the device as its target (`.to(device)`, `.cuda()`): the call a GPU run would wait at. A copy_
+      or an item assignment from a host tensor is seen on a GPU only (torch's sync debug mode, below).
+    On a CPU the same calls return at once, but they are the same calls: a sync-free step on the CPU is
+    a sync-free step on a GPU, and a call site named here is one a GPU run waits at. Host-only work
+    (HOST_SITES) is left out, and so is the loader's own batch transfer (Accelerate's code). On a GPU
+    it also turns on torch.cuda.set_sync_debug_mode("warn") while it is entered, with every warning
+    shown (Python shows one a line by default), and counts torch's synchronization warnings."""
 
     def __init__(self, on_gpu: bool = False):
         from collections import Counter
         self.on_gpu = on_gpu       # the run's device (plan.on_gpu): torch's sync debug mode on top
+        self.device_type = "cuda" if on_gpu else "cpu"
         self.sites = Counter()     # over the run
         self.window = 0            # since the last read_window()
+        self.warnings = 0          # torch's sync warnings since the last read_warnings() (GPUs)
         self.mode = None
         self.patched = []
+        self.caught = None
 
     def _count(self, site: str) -> None:
         self.sites[site] += 1
         self.window += 1
+
+    def writes_to_device(self, name: str, args, kwargs) -> bool:
+        """Does this call put Python data or a host tensor on the run's device? (see the class docstring)"""
+        if name in CREATIONS:
+            data = args[0] if args else kwargs.get("data")
+            device = _target(kwargs.get("device"))
+            if device is None:
+                return False
+            if isinstance(data, torch.Tensor):   # as_tensor of a tensor: a transfer
+                return self._transfer(data, device, explicit=True)
+            return device.type == self.device_type
+        if name == "to":
+            target, explicit = _target(kwargs.get("device")), "device" in kwargs
+            for arg in args[1:]:
+                if _target(arg) is not None:
+                    target, explicit = _target(arg), True
+                elif isinstance(arg, torch.Tensor):
+                    target = arg.device
+            return target is not None and self._transfer(args[0], target, explicit)
+        if name == "cuda":
+            return self._transfer(args[0], torch.device("cuda"), explicit=True)
+        source = args[1] if len(args) > 1 else None   # copy_(dst, src), __setitem__(dst, index, value)
+        source = args[2] if name == "__setitem__" and len(args) > 2 else source
+        return isinstance(source, torch.Tensor) and self._transfer(source, args[0].device, explicit=False)
+
+    def _transfer(self, source: torch.Tensor, target: torch.device, explicit: bool) -> bool:
+        if target.type != self.device_type:
+            return False
+        return source.device.type == "cpu" if self.on_gpu else explicit
 
     def __enter__(self):
         from torch.overrides import TorchFunctionMode
@@ -278,28 +347,50 @@ class SyncAudit:
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 name = getattr(func, "__name__", "")
+                kwargs = kwargs or {}
                 if name in SYNC_CALLS or (name == "__getitem__" and _bool_index(args)) or \
                         (name == "where" and len(args) == 1 and not kwargs):
                     site, host = _site(sys._getframe(1))
                     if not host:
                         audit._count(f"{site} [{name}]")
-                return func(*args, **(kwargs or {}))
+                elif (name in CREATIONS or name in TRANSFERS) and audit.writes_to_device(name, args, kwargs):
+                    site, host = _site(sys._getframe(1))
+                    if not host and _ours(site):
+                        audit._count(f"{site} [{name}: host to device]")
+                return func(*args, **kwargs)
         self.mode = Mode()
         self.mode.__enter__()
         self._patch_synchronize()
-        if self.on_gpu:   # and torch's own report of what waits
+        if self.on_gpu:   # and torch's own report of what waits, every warning shown
+            import warnings
             self.debug_mode = torch.cuda.get_sync_debug_mode()
+            self.caught = warnings.catch_warnings(record=True)
+            self.records = self.caught.__enter__()
+            warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
-        if getattr(self, "debug_mode", None) is not None:
+        if self.caught is not None:
             torch.cuda.set_sync_debug_mode(self.debug_mode)
+            self.caught.__exit__(*exc)
+            self.caught = None
+            self._sort_warnings(self.records)
         for owner, attr, original in self.patched:
             setattr(owner, attr, original)
         self.patched = []
         return False
+
+    def _sort_warnings(self, records) -> None:
+        """Count torch's synchronization warnings; show the others as they would have been."""
+        import warnings
+        for w in records:
+            if "synchroniz" in str(w.message):
+                self.warnings += 1
+                self.sites[f"{w.filename.split('/site-packages/')[-1]}:{w.lineno} [sync debug warning]"] += 1
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
     def _patch_synchronize(self):
         import sys
@@ -318,4 +409,9 @@ class SyncAudit:
 
     def read_window(self) -> int:
         count, self.window = self.window, 0
+        return count
+
+    def read_warnings(self) -> int:
+        """torch's synchronization warnings since the last read (0 on a CPU: no debug mode there)."""
+        count, self.warnings = self.warnings, 0
         return count

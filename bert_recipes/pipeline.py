@@ -193,7 +193,7 @@ class PipelineEngine:
         import deepspeed
         import deepspeed.comm as dist
 
-        from .backend import check_trackers, set_tf32
+        from .backend import check_trackers, set_kernels
         if cfg.model.gradient_checkpointing:
             raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
                               "pipeline.activation_checkpoint_interval instead")
@@ -205,7 +205,7 @@ class PipelineEngine:
                               "itself; set train.compile=false")
         self.cfg, self.plan, self.output_dir = cfg, plan, output_dir
         self.on_gpu = plan.on_gpu   # decided once (backend.launch_plan_here)
-        set_tf32(plan)
+        kernels = set_kernels(plan)
         deepspeed.init_distributed(dist_backend=None if self.on_gpu else "gloo",
                                    timeout=timedelta(seconds=cfg.train.collective_timeout_s))
         self.dist = dist
@@ -228,6 +228,8 @@ class PipelineEngine:
                            f"{world} processes, precision={plan.precision}; global batch "
                            f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum {self.accum} "
                            f"x dp {self.replicas}")
+        if kernels:
+            self.print0(kernels)
 
     # ------------------------------------------------------------ communication and output
     def print0(self, *args):

@@ -23,6 +23,24 @@ for _var in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):
     os.environ.pop(_var, None)
 
 
+# ----------------------------------------------------------------------------- DeepSpeed's op builds, once
+NEEDS_DS_OPS = ("zero", "deepspeed", "offload", "pipeline", "nvme", "test_backends", "memory", "slurm", "reliability")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The NVMe rows go last: async_io is DeepSpeed's longest build (tests/build_ds_ops.py builds it in the
+    background meanwhile). When DeepSpeed tests are selected, that build starts now, at the lowest
+    priority, so it takes the cores only when the tests leave them idle."""
+    nvme = [item for item in items if "nvme" in item.name]
+    items[:] = [item for item in items if item not in nvme] + nvme
+    if any(word in item.nodeid for item in items for word in NEEDS_DS_OPS):
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        # its own session: it outlives an interrupted pytest, so a build is never killed half-way (torch's
+        # build lock would then make every later load wait)
+        subprocess.Popen(["nice", "-n", "19", sys.executable, str(REPO / "tests/build_ds_ops.py")], cwd=REPO, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 @pytest.fixture(scope="session")
 def sample_dir(tmp_path_factory) -> Path:
     from bert_recipes.sample import build_sample

@@ -221,3 +221,41 @@ def test_hub_source_code_path_with_a_local_dataset_directory(tmp_path):
     cfg.data.train_split = "nope"
     with pytest.raises(ConfigError, match="train_split='nope' not in the dataset's splits"):
         load_raw(cfg.data, cfg.task, seed=0)
+
+
+def test_a_batch_is_read_in_one_call_with_the_rows_of_one_by_one(sample_dir, tokenizer):
+    """data.Indexed.__getitems__ (the DataLoader's fetcher uses it): the rows and indices __getitem__
+    gives, in the order asked, for a list, a tuple or a tensor of indices; a dataset that is a plain
+    list of rows is read row by row."""
+    from datasets import Dataset
+    rows = Dataset.from_dict({"input_ids": [[i, i + 1, i + 2][: 1 + i % 3] for i in range(40)],
+                              "labels": list(range(40))})
+    data = Indexed(rows)
+    wanted = [7, 3, 39, 3]
+    one_by_one = [data[i] for i in wanted]
+    for indices in (wanted, tuple(wanted), torch.tensor(wanted)):
+        assert data.__getitems__(indices) == one_by_one
+    assert Indexed([{"input_ids": [1]}, {"input_ids": [2, 3]}]).__getitems__([1]) == [{"input_ids": [2, 3], "idx": 1}]
+
+
+def test_length_bins_leave_the_least_padding_and_every_batch_takes_one():
+    """data.length_bins: at most N lengths, the quantiles that leave the least padding (rounded up to 8
+    where asked), the longest length of any split always the last; a padded batch takes the smallest bin
+    that holds it, with a mask, also when its rows are of one length; without bins that batch is stacked
+    as it is."""
+    from bert_recipes.data import ClassificationCollator, length_bins, padded_width
+    lengths = [5] * 50 + [9] * 30 + [17] * 15 + [40] * 5
+    assert length_bins(lengths, 4, None) == [5, 9, 17, 40]
+    assert length_bins(lengths, 4, 8, longest=60) == [8, 16, 24, 64]
+    assert length_bins(lengths, 2, None) == [9, 40] and length_bins(lengths, 0, 8) == []
+    assert len(length_bins(list(range(1, 1000)), 8, 8)) <= 8
+    assert [padded_width(n, 8, [8, 16, 24, 64]) for n in (1, 8, 9, 30, 64, 65)] == [8, 8, 16, 64, 64, 72]
+
+    class Tok:
+        pad_token_id = 0
+    collate = ClassificationCollator(Tok(), pad_to_multiple_of=None)
+    same = [{"input_ids": [5, 6, 7], "labels": 1}, {"input_ids": [8, 9, 4], "labels": 0}]
+    assert collate(same)["input_ids"].shape == (2, 3) and "attention_mask" not in collate(same)
+    collate.bins = [2, 6, 12]
+    batch = collate(same)
+    assert batch["input_ids"].shape == (2, 6) and batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0]] * 2

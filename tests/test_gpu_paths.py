@@ -270,3 +270,66 @@ def test_the_automatic_micro_batch_is_the_largest_divisor_the_planner_fits(free_
         assert micro == expected
     else:   # the next larger divisor would not fit
         assert micro < 32 and peak(next(d for d in (1, 2, 4, 8, 16, 32) if d > micro)) > budget
+
+
+# ----------------------------------------------------------------------------- kernels, compile, workers
+@pytest.fixture
+def kernel_flags():
+    """torch's global kernel switches, restored after the test."""
+    saved = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(saved[0])
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1], saved[2]
+
+
+@pytest.mark.parametrize("on_gpu, padded, cudnn_after, said", [
+    (True, True, False, True),     # masked batches on a GPU: memory-efficient SDPA, never cuDNN's per-shape graphs
+    (True, False, True, False),    # packed MLM (no mask): torch's choice
+    (False, True, True, False),    # a CPU run: nothing is set
+])
+def test_masked_batches_on_a_gpu_never_take_cudnn_attention(kernel_flags, on_gpu, padded, cudnn_after, said):
+    from bert_recipes.backend import set_kernels
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    line = set_kernels(LaunchPlan(on_gpu=on_gpu, padded=padded, tf32=True))
+    assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn_after
+    assert (line is not None and "memory-efficient" in line) is said
+
+
+@pytest.mark.parametrize("overrides, dynamic, mode", [
+    (["train.compile=true"], False, "default"),                                      # packed MLM, K slots
+    (["train.compile=true", "train.compile_mode=reduce-overhead"], False, "reduce-overhead"),
+    (["train.compile=true", "data.max_predictions_per_seq=null"], None, "default"),  # the boolean head: dynamic
+    (["train.compile=true", "train.compile_backend=eager", "train.compile_mode=reduce-overhead"], False, "default"),
+])
+def test_compile_is_static_where_the_shapes_repeat(overrides, dynamic, mode):
+    """train.compile through Accelerate's TorchDynamoPlugin: dynamic=False where the batches take a fixed set
+    of shapes, torch's automatic dynamic shapes otherwise; a mode for inductor only."""
+    from bert_recipes.backend import dynamo_plugin, resolve_run
+    cfg = load_config(RECIPE, overrides)
+    if cfg.data.max_predictions_per_seq == "auto":
+        cfg.data.max_predictions_per_seq = 19
+    plugin = dynamo_plugin(cfg.train, resolve_run(cfg, LaunchPlan(on_gpu=False), 1))
+    assert (plugin.dynamic, plugin.mode) == (dynamic, mode)
+    classify = load_config(REPO / "recipes/tiny-classify.yaml", ["train.compile=true"])
+    for bins, expected in ((0, None), (8, False)):
+        classify.data.length_bins = bins
+        assert dynamo_plugin(classify.train, resolve_run(classify, LaunchPlan(on_gpu=False), 1)).dynamic is expected
+    assert dynamo_plugin(load_config(RECIPE).train, LaunchPlan()) is None
+
+
+@pytest.mark.parametrize("on_gpu, cores, ranks, workers, bins", [
+    (False, 16, 1, 0, 0),    # CPU processes: the step's threads need the cores
+    (True, 16, 1, 4, 8),     # one GPU, 16 cores: at most 4
+    (True, 16, 8, 1, 8),     # 8 GPUs on 16 cores: 2 a rank, one kept for training
+    (True, 8, 8, 0, 8),      # a core a rank: none to spare
+])
+def test_auto_workers_and_bins_follow_the_device_and_the_cores(monkeypatch, on_gpu, cores, ranks, workers, bins):
+    from bert_recipes.preflight import choose_loader
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    cfg = load_config(REPO / "recipes/tiny-classify.yaml")
+    notes = choose_loader(cfg, LaunchPlan(on_gpu=on_gpu), {"LOCAL_WORLD_SIZE": str(ranks)})
+    assert (cfg.data.num_workers, cfg.data.length_bins) == (workers, bins)
+    assert bool(notes) is on_gpu and all(note.startswith("[config] data.") for note in notes)
+    cfg = load_config(REPO / "recipes/tiny-classify.yaml", ["data.num_workers=3", "data.length_bins=2"])
+    assert choose_loader(cfg, LaunchPlan(on_gpu=on_gpu), {}) == [] and (cfg.data.num_workers, cfg.data.length_bins) == (3, 2)

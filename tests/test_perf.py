@@ -31,14 +31,20 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 @pytest.fixture
 def slow_data(monkeypatch):
-    """A dataset whose every item takes 20 ms: the model step of the tiny BERT is far shorter."""
+    """A dataset whose every item takes 20 ms (read one by one or a batch at once, as the DataLoader
+    does): the model step of the tiny BERT is far shorter."""
     from bert_recipes import data
-    original = data.Indexed.__getitem__
+    one, batch = data.Indexed.__getitem__, data.Indexed.__getitems__
 
-    def slow(self, i):
+    def slow_one(self, i):
         time.sleep(0.02)
-        return original(self, i)
-    monkeypatch.setattr(data.Indexed, "__getitem__", slow)
+        return one(self, i)
+
+    def slow_batch(self, indices):
+        time.sleep(0.02 * len(indices))
+        return batch(self, indices)
+    monkeypatch.setattr(data.Indexed, "__getitem__", slow_one)
+    monkeypatch.setattr(data.Indexed, "__getitems__", slow_batch)
 
 
 def _run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys, **extra):
@@ -83,3 +89,67 @@ def test_profile_writes_a_trace_and_a_top10_table(tmp_path, sample_dir, datasets
     assert "[profile] top 10 operators by self time" in out and "Self CPU" in out
     traces = list((tmp_path / "run/profile").glob("*.pt.trace.json*"))
     assert traces and traces[0].stat().st_size > 1000
+
+
+# ----------------------------------------------------------------------------- host waits in the step
+def _repository_code(source: str, name: str):
+    """A function compiled as if it lived in bert_recipes/ (the audit counts writes from the repository's
+    own code only, by the file its frame names)."""
+    from conftest import REPO
+    scope = {"torch": __import__("torch")}
+    exec(compile(source, str(REPO / "bert_recipes" / "audited_here.py"), "exec"), scope)
+    return scope[name]
+
+
+def test_sync_audit_counts_python_data_written_to_the_device():
+    """On a CPU run the device is the CPU: a tensor built there from Python data, and a copy that names
+    the device, are the calls a GPU run would wait at (a pageable copy, then a stream synchronize).
+    Reads are counted as before; dtype casts, a tensor built on the host and library code are not."""
+    import torch
+
+    from bert_recipes.perf import SyncAudit
+    writes = _repository_code(
+        "def writes(x):\n"
+        "    torch.as_tensor(False, dtype=torch.float64, device=x.device)\n"   # 1
+        "    torch.tensor([1.0, 2.0], device='cpu')\n"                          # 2
+        "    torch.scalar_tensor(3, device=x.device)\n"                          # 3
+        "    x.to('cpu')\n"                                                      # 4
+        "    x.to(device=x.device)\n"                                            # 5
+        "    x.to(torch.float64); x.to(x); torch.tensor([1.0]); torch.zeros(2, device=x.device)\n"   # none
+        "    torch.where(x > 0, 5, x); x.sum().item()\n", "writes")              # a read: 1
+    x = torch.ones(3)
+    with SyncAudit(on_gpu=False) as audit:
+        writes(x)
+        torch.as_tensor(False, device=x.device)   # this test's own code: not the repository's, not counted
+    sites = dict(audit.sites)
+    assert sum(n for s, n in sites.items() if "host to device" in s) == 5, sites
+    assert sum(n for s, n in sites.items() if s.endswith("[item]")) == 1, sites
+    assert all(s.startswith("bert_recipes/audited_here.py:") for s in sites), sites
+
+
+@pytest.mark.parametrize("decided", ["device", "host"])
+def test_step_guard_counts_without_a_wait_or_a_write(decided):
+    """StepGuard.add neither reads the device nor writes Python values to it, whether the skip was decided
+    on the device (a bool tensor: DDP, FSDP2) or on the host (DeepSpeed's own check: a bool and a norm
+    that stay where they are). check() then reads: 2 skipped of 5, the streak, the last bad step, and
+    train.max_bad_steps in a row stop the run."""
+    import torch
+
+    from bert_recipes.guard import Diverged, StepGuard
+    from bert_recipes.perf import SyncAudit
+    guard = StepGuard(max_bad_steps=3)
+    outcomes = [(1.5, False), (float("inf"), True), (1.2, False), (1.1, False), (float("nan"), True)]
+    with SyncAudit(on_gpu=False) as audit:
+        for step, (loss, bad) in enumerate(outcomes, 1):
+            norm = torch.tensor(float("nan") if bad else 0.5)
+            skipped = torch.tensor(bad) if decided == "device" else bad
+            guard.add(step, torch.tensor(loss), norm if decided == "device" else (None if bad else 0.5), skipped,
+                      torch.tensor(False) if decided == "device" else False)
+    assert dict(audit.sites) == {}, dict(audit.sites)
+    note = guard.check(5, 1e-3)
+    assert note.startswith("[skip] 2 updates skipped (steps 2-5; last: loss nan") and "(1 in a row;" in note, note
+    assert guard.skipped_total == 2 and guard.last_good == (4, pytest.approx(1.1))
+    for step in (6, 7):
+        guard.add(step, torch.tensor(float("inf")), None, torch.tensor(True) if decided == "device" else True)
+    with pytest.raises(Diverged, match="3 steps in a row had a non-finite loss"):
+        guard.check(7, 1e-3)

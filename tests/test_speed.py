@@ -352,13 +352,14 @@ def test_offload_steps_with_deepspeeds_cpu_adam_built_from_the_recipe(tmp_path, 
 
 # ----------------------------------------------------------------------------- make bench
 def test_bench_smoke_writes_the_table_and_the_chart(tmp_path):
-    """Not a speed test: the table has its rows, every number is finite, and each run was written down as
-    it finished (bench.jsonl). Five of the rows (--rows):
-    the compile row alone would double the time, and train.compile has its own test above."""
+    """Not a speed test: the table has its rows and columns, every number is finite, each run was written
+    down as it finished (bench.jsonl), and the collation and fetch costs, the accuracy check and the profile
+    are there. Four of the rows (--rows); the GPU session's rows, the Trainer's MLM rows and the compile
+    rows run in tests/test_gpu_session.py's rehearsal, and train.compile has its own tests above."""
     out = tmp_path / "bench"
-    rows = "mlm: train.py|mlm: Trainer|mlm: train.py, packed dropout|classify: train.py|classify: Trainer"
-    proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--steps", "6", "--classify-steps", "6",
-                           "--warmup", "2", "--repeats", "1", "--precisions", "no", "--out", str(out), "--profile",
+    rows = "mlm: train.py|mlm: train.py, packed dropout|classify: train.py|classify: Trainer"
+    proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--steps", "20", "--classify-steps", "20",
+                           "--warmup", "10", "--repeats", "1", "--precisions", "no", "--out", str(out), "--profile",
                            "--rows", rows,
                            "--accuracy", "--accuracy-seeds", "1", "--accuracy-steps", "8", "--accuracy-pretrain-steps", "4"],
                           cwd=REPO, capture_output=True, text=True, timeout=1200)
@@ -367,17 +368,103 @@ def test_bench_smoke_writes_the_table_and_the_chart(tmp_path):
     names = {row["name"] for row in result["rows"]}
     assert names == set(rows.split("|")), names
     for row in result["rows"]:
-        for key in ("tokens_per_s", "mfu", "peak_memory_mb", "padding"):
-            assert row[key] == row[key] and row[key] >= 0, row
-    assert all(r["ratio"] > 0 for r in result["ratios"]) and len(result["ratios"]) == 3
+        for key in ("tokens_per_s", "sequences_per_s", "mfu_anchors", "mfu_ours", "data_wait", "peak_memory_mb",
+                    "padding", "shapes"):
+            assert row[key] == row[key] and row[key] >= 0, (key, row)
+    ours = next(r for r in result["rows"] if r["name"] == "mlm: train.py")
+    assert ours["mfu_anchors"] > ours["mfu_ours"] and ours["shapes"] == 1   # the dense head counts more FLOPs
+    assert all(r["ratio"] > 0 for r in result["ratios"]) and len(result["ratios"]) == 2
     journal = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
     assert sorted(r["name"] for r in journal) == sorted(rows.split("|"))   # each run kept as it finished
     assert set(result["collate_ms"]) == {"K predictions (default)", "whole-word masking, K", "per-token choice"}
-    assert all(0 < ms < 1000 for ms in result["collate_ms"].values())
-    assert (out / "bench.md").read_text().count("| mlm") >= 2 and (out / "bench.png").stat().st_size > 10_000
+    assert all(0 < ms < 1000 for by_batch in result["collate_ms"].values() for ms in by_batch.values())
+    assert set(result["fetch_ms"]) == {"row by row", "one Arrow call"}
+    text = (out / "bench.md").read_text()
+    assert text.count("| mlm") >= 2 and "| collate: K predictions (default) |" in text and "MFU, anchors'" in text
+    assert (out / "bench.png").stat().st_size > 10_000
     grouped, plain = result["accuracy"]["runs"]["grouped"][0], result["accuracy"]["runs"]["not grouped"][0]
     assert 0 <= grouped["accuracy"] <= 1 and 0 <= plain["accuracy"] <= 1
     assert grouped["padding"] < plain["padding"] / 2, (grouped, plain)
-    text = (out / "bench.md").read_text()
     assert "| not grouped |" in text
     assert "## Where train.py's MLM step spends its time (no)" in text and "aten::addmm" in text, text[-2000:]
+
+
+# ----------------------------------------------------------------------------- shapes that repeat
+@pytest.fixture
+def strict_after(monkeypatch):
+    """strict_after(warmed_up) -> state: wraps the engine's step; once warmed_up(engine, shapes seen) holds
+    after a step, torch.compiler.set_stance("fail_on_recompile") (public API): from then on a recompile
+    fails the run. Dynamo's caches and the stance are reset around the test."""
+    from bert_recipes.engine import AccelerateEngine
+    original, state = AccelerateEngine.train_step, {"seen": set(), "strict_from": None, "steps": 0}
+
+    def install(warmed_up):
+        def step(self, batches):
+            def watched():
+                for batch in batches:
+                    state["seen"].add(tuple(batch["input_ids"].shape))
+                    yield batch
+            out = original(self, watched())
+            state["steps"] += 1
+            if state["strict_from"] is None and warmed_up(self, state["seen"]):
+                torch.compiler.set_stance("fail_on_recompile")
+                state["strict_from"] = state["steps"]
+            return out
+        monkeypatch.setattr(AccelerateEngine, "train_step", step)
+        return state
+    torch.compiler.reset()
+    yield install
+    torch.compiler.set_stance("default")
+    torch.compiler.reset()
+
+
+COMPILE_FAST = {"train.compile": True, "train.compile_backend": "eager"}   # dynamo's tracing and guards, no kernels
+
+
+def test_mlm_compiles_once_and_never_again(strict_after, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """Packed blocks with K predictions have one shape: compiled with dynamic=False, no recompile after the
+    first step, evaluations (eager, under train.compile) included."""
+    state = strict_after(lambda engine, seen: True)
+    metrics = run_in_process(tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
+        **COMPILE_FAST, "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "train.eval_every": 4}))
+    assert metrics["backend"]["compile"] == {"backend": "eager", "mode": "default", "dynamic": False}
+    assert state["strict_from"] == 1 and state["steps"] == 8 and metrics["batch_shapes"] == 1
+    assert metrics["eval_loss"] == metrics["eval_loss"]
+
+
+def test_fine_tuning_compiles_each_length_bin_once(strict_after, tmp_path, sample_dir, datasets_cache,
+                                                   shared_tokenizer):
+    """data.length_bins=4: once every bin has been trained on, no recompile (4 graphs, within dynamo's
+    recompile limit of 8); without bins the shapes keep changing and the same check fails the run."""
+    args = {**COMPILE_FAST, **NO_DROPOUT, "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 24,
+            "train.eval_every": 12, "data.max_seq_length": 64, "data.group_by_length": True,
+            "data.max_train_samples": "null"}
+    state = strict_after(lambda engine, seen: {width for _, width in seen} >= set(engine.collate.bins))
+    metrics = run_in_process(tiny_args(tmp_path / "bins", sample_dir, datasets_cache, task="classification",
+                                       **{**args, "data.length_bins": 4}))
+    assert metrics["backend"]["compile"]["dynamic"] is False
+    assert metrics["batch_shapes"] <= 4 and state["strict_from"] is not None and state["strict_from"] < 24, state
+    state.update(seen=set(), strict_from=None, steps=0)
+    torch.compiler.set_stance("default")
+    torch.compiler.reset()
+    state = strict_after(lambda engine, seen: True)
+    with pytest.raises(Exception, match="(?i)recompil"):
+        run_in_process(tiny_args(tmp_path / "no_bins", sample_dir, datasets_cache, task="classification",
+                                 **{**args, "data.length_bins": 0}))
+
+
+def test_length_bins_keep_padding_low_and_shapes_few(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """The sample task at sequence 128 with length grouping: 8 bins keep padding under 10% of the positions
+    (about 3% without bins) in at most 8 batch shapes, where the batches' own longest lengths give dozens."""
+    args = {**NO_DROPOUT, "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 40, "data.max_seq_length": 128,
+            "model.max_position_embeddings": 128, "data.group_by_length": True, "data.max_train_samples": "null",
+            "logging.log_every": 40}
+    found = {}
+    for bins in (0, 8):
+        metrics = run_in_process(tiny_args(tmp_path / f"bins{bins}", sample_dir, datasets_cache, task="classification",
+                                           **{**args, "data.length_bins": bins}))
+        row = json.loads((tmp_path / f"bins{bins}/metrics.json").read_text())["history"]["train"][-1]
+        found[bins] = (1 - row["tokens_per_sec"] / row["padded_tokens_per_sec"], metrics["batch_shapes"])
+    (plain_padding, plain_shapes), (binned_padding, binned_shapes) = found[0], found[8]
+    print(f"[length bins] padding and shapes: {found}")
+    assert binned_padding < 0.10 and binned_shapes <= 8 < plain_shapes, found

@@ -52,7 +52,12 @@ def launch_train(row, args, nproc: int, out_dir: Path, overrides: list[str], log
     if row.plan.num_machines > 1:   # one node here: the same config as a single machine
         cmd += ["--num_machines", "1", "--machine_rank", "0"]
     cmd += ["train.py", "--recipe", "recipes/tiny-mlm.yaml"] + base + overrides
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as err:   # cut: what it printed so far is the record
+        text = "".join(x.decode() if isinstance(x, bytes) else x for x in (err.stdout or "", err.stderr or ""))
+        log_path.write_text(text)
+        return False, text + f"\ncut at its limit of {args.timeout} s (--timeout)"
     log_path.write_text(proc.stdout + proc.stderr)
     if proc.returncode == 0 and not getattr(args, "tokenizer", None):
         args.tokenizer = str(out_dir / "tokenizer")
@@ -83,11 +88,14 @@ def run_row(row, args, nproc: int, work: Path) -> dict:
             "first_loss": train[0]["loss"], "last_loss": last["loss"], "wall_s": time.perf_counter() - t0}
 
 
-def report(text: str, out: str | None, results: list[dict]) -> None:
-    """Print the table, also write it to `out`, and exit 1 if any row failed (not skipped, not ok)."""
-    print(text)
+def report(text: str, out: str | None, results: list[dict], final: bool = True) -> None:
+    """Print the table and also write it to `out`; at the end (final), exit 1 if any row failed (not
+    skipped, not ok). Called after every row too (final=False), so a time limit keeps the rows done."""
     if out:
         Path(out).write_text(text + "\n")
+    if not final:
+        return
+    print(text)
     if any(not (r["status"] == "ok" or r["status"].startswith("skipped")) for r in results):
         sys.exit(1)
 

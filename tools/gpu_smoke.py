@@ -27,6 +27,10 @@ from gpu_check import REPO, add_run_arguments, failure, launch_train, report, ro
 
 MATRIX = {"default": [("ddp", "no,bf16,fp16"), ("zero2", "bf16"), ("zero3", "bf16"), ("zero2-offload", "bf16"),
                       ("fsdp", "bf16")],
+          # tools/gpu_session.py: what changed since the H200 ran the rows (2026-11-30): DDP's device-side skip in
+          # bf16 and, folded into the loss scaler's found_inf, in fp16 (never run on CUDA), and FSDP2's (ZeRO-2's
+          # path has not changed)
+          "session": [("ddp", "bf16,fp16"), ("fsdp", "bf16")],
           "full": [("ddp", "no,bf16,fp16"), ("zero2", "no,bf16,fp16"), ("zero3", "no,bf16,fp16"), ("zero1", "bf16"),
                    ("zero2-offload", "bf16"), ("zero3-offload", "bf16"), ("fsdp", "bf16"), ("pipeline", "bf16")]}
 
@@ -80,7 +84,8 @@ def table(results: list[dict]) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", help="comma-separated backend rows (default: the matrix's)")
-    parser.add_argument("--matrix", choices=sorted(MATRIX), default="default", help="default: 14 launches; full: 26")
+    parser.add_argument("--matrix", choices=sorted(MATRIX), default="default",
+                        help="default: 14 launches; full: 26; session: 6 (tools/gpu_session.py)")
     parser.add_argument("--precisions", help="comma-separated, of no,bf16,fp16 (default: per row, as above)")
     add_run_arguments(parser, work="runs/gpu_smoke", cpu_help="2 CPU processes instead of a GPU (fp16 and the GPU-only rows of backends.tsv skipped)")
     parser.add_argument("--out", help="also write the table (markdown) to this file")
@@ -102,6 +107,7 @@ def main():
             label = f"{name}/{precision}"
             if args.cpu and (precision == "fp16" or row.gpu_only):   # gpu-only: accelerate_configs/backends.tsv
                 results.append({"row": label, "status": "skipped: GPU only"})
+                report(text_of(args, results), args.out, results, final=False)
                 continue
             if name == "pipeline" and not args.cpu and gpus < 2:
                 results.append({"row": label, "status": "skipped: 2 stages need 2 GPUs"})
@@ -109,10 +115,15 @@ def main():
             nproc = 2 if (args.cpu or name == "pipeline") else 1
             print(f"[gpu-smoke] {label} on {nproc} process(es) ...", flush=True)
             results.append(smoke(row, precision, args, nproc, work))
+            report(text_of(args, results), args.out, results, final=False)   # each row kept as it finishes
+    report(text_of(args, results), args.out, results)
+
+
+def text_of(args, results: list[dict]) -> str:
+    import torch
     device = "2 CPU processes" if args.cpu else torch.cuda.get_device_name(0)
-    text = (f"gpu-smoke: BERT-{args.size}, seq {args.seq}, micro batch {args.micro}, {args.steps} steps "
+    return (f"gpu-smoke: BERT-{args.size}, seq {args.seq}, micro batch {args.micro}, {args.steps} steps "
             f"(halt, resume, export), {device}\n\n" + table(results))
-    report(text, args.out, results)
 
 
 if __name__ == "__main__":

@@ -345,4 +345,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bert_recipes.guard import leave
+    leave(main())   # --measure under a launcher: without tearing gloo down
