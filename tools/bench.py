@@ -427,8 +427,8 @@ def probe(precisions: list[str]) -> tuple[dict, str]:
     import torch
     if not torch.cuda.is_available():
         from bert_recipes.perf import measured_cpu_peak
-        peaks = {p: (float("nan"), measured_cpu_peak(torch.bfloat16 if p == "bf16" else torch.float32))
-                 for p in precisions}
+        peaks = {p: (float("nan"), measured_cpu_peak(torch.bfloat16 if p == "bf16" else torch.float32, repeats=10,
+                                                     fresh=True)) for p in precisions}   # this run's peak
         return peaks, f"CPU, {os.cpu_count()} cores"
     proc = subprocess.run([sys.executable, "-c", PROBE, ",".join(precisions)], cwd=REPO, capture_output=True,
                           text=True, check=True)
