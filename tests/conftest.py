@@ -28,17 +28,30 @@ NEEDS_DS_OPS = ("zero", "deepspeed", "offload", "pipeline", "nvme", "test_backen
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The NVMe rows go last: async_io is DeepSpeed's longest build (tests/build_ds_ops.py builds it in the
-    background meanwhile). When DeepSpeed tests are selected, that build starts now, at the lowest
-    priority, so it takes the cores only when the tests leave them idle."""
-    nvme = [item for item in items if "nvme" in item.name]
-    items[:] = [item for item in items if item not in nvme] + nvme
+    """The backend matrix (tests/test_backends.py, whose offload rows load CPU Adam) runs after the other
+    files, and its NVMe rows last: async_io is DeepSpeed's longest build. tests/build_ds_ops.py builds the
+    ops in the background meanwhile: when DeepSpeed tests are selected, it starts now, at the lowest
+    priority, so it takes the cores only when the tests leave them idle. (The matrix's module stays in one
+    piece: its shared runs are made once.)"""
+    matrix = [item for item in items if item.module.__name__ == "test_backends"]
+    nvme = [item for item in matrix if "nvme" in item.name]
+    matrix = [item for item in matrix if item not in nvme]
+    items[:] = [item for item in items if item not in nvme and item not in matrix] + matrix + nvme
     if any(word in item.nodeid for item in items for word in NEEDS_DS_OPS):
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
         # its own session: it outlives an interrupted pytest, so a build is never killed half-way (torch's
         # build lock would then make every later load wait)
-        subprocess.Popen(["nice", "-n", "19", sys.executable, str(REPO / "tests/build_ds_ops.py")], cwd=REPO, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        _BUILDS.append(subprocess.Popen(["nice", "-n", "19", sys.executable, str(REPO / "tests/build_ds_ops.py")],
+                                        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True))
+
+
+_BUILDS: list = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for build in _BUILDS:   # collect a finished build's exit status (no zombie); a running one goes on
+        build.poll()
 
 
 @pytest.fixture(scope="session")
