@@ -121,6 +121,9 @@ class AccelerateEngine:
 
     # ------------------------------------------------------------ setup
     def wrap(self, model):
+        # refused here, before the optimizer is built: a refused run builds no CPU Adam (whose load, were a rank
+        # stopped in it, would leave torch's build lock behind for every later run to wait on)
+        check_nvme_gradient_swap(self.plan, model, self.num_processes, self.on_gpu)
         self.full_param_numel = sum(p.numel() for p in model.parameters())
         return model
 
@@ -143,7 +146,6 @@ class AccelerateEngine:
                                  **{**kwargs, "collate_fn": copy.copy(collate)})   # masks of epoch 0, always
         # The schedule wraps the torch optimizer itself, before prepare: ZeRO keeps that optimizer
         # (and its param_groups) inside its own. A DeepSpeed JSON may own both instead.
-        check_nvme_gradient_swap(self.plan, module, self.num_processes, self.on_gpu)
         optimizer, scheduler, owned = deepspeed_owned(self.accelerator, self.cfg, module, optimizer, scheduler)
         if owned:
             self.print0(owned)

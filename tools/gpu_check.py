@@ -122,7 +122,9 @@ def add_run_arguments(parser, work: str, cpu_help: str) -> None:
     parser.add_argument("--precision", default=None, help="default: bf16 on GPU, no on CPU")
     parser.add_argument("--cpu", action="store_true", help=cpu_help)
     parser.add_argument("--work", default=work)
-    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds a launch may take")
+    parser.add_argument("--tokenizer", help="a tokenizer directory for every row (default: the first row trains one "
+                                            "on the sample, the others reuse it)")
 
 
 def main():

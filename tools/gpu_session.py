@@ -214,10 +214,11 @@ def sync_debug(session: Session, step: Step) -> None:
 def smoke(session: Session, step: Step) -> None:
     """gpu-smoke's session matrix: DDP bf16 and fp16, FSDP2 bf16 (on CPU processes: fp16 and FSDP2 are
     reported as GPU-only), each halted after an eval and a checkpoint, resumed, exported."""
+    # a launch may take twice its share (the step's own limit still holds): the first one also tokenizes the sample
     cmd = [session.python(), "tools/gpu_smoke.py", "--matrix", "session", "--out", str(session.out / "smoke.md"),
-           "--work", str(session.scratch / "smoke"), "--timeout", str((LAUNCH_S + SMOKE_WORK_S) * session.scale)]
+           "--work", str(session.scratch / "smoke"), "--timeout", str(2 * (LAUNCH_S + SMOKE_WORK_S) * session.scale)]
     cmd += (["--cpu", "--size", "tiny", "--seq", "32", "--micro", "4", "--steps", "4"] if session.rehearse
-            else ["--size", "base", "--steps", "4"])
+            else ["--size", "base", "--steps", "4", "--tokenizer", str(workload_dir(session) / "mlm/tokenizer")])
     try:
         session.call(cmd, step.limit_s, session.scratch / "smoke.log")
     finally:
