@@ -341,7 +341,7 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
     if t.mixed_precision == "fp16" and not has_cuda:
         conflicts.append("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU Accelerate would silently train "
                          "in fp32. Use bf16 (supported on CPU) or no")
-    if t.mixed_precision == "bf16" and has_cuda and not bf16_supported(capability):
+    if t.mixed_precision == "bf16" and has_cuda and capability is not None and not bf16_supported(capability):
         major, minor = capability
         conflicts.append(f"train.mixed_precision=bf16 but this GPU (compute capability {major}.{minor}) has no native "
                          "bf16 (it needs 8.0, Ampere or newer; older GPUs emulate it slowly): use fp16")
@@ -351,17 +351,20 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
         raise ConfigError("the launch config conflicts with the recipe:\n  - " + "\n  - ".join(conflicts))
 
 
-def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int) -> LaunchPlan:
+def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="local") -> LaunchPlan:
     """The plan resolved with the recipe, once, before anything is built (preflight calls it, in every
     rank and before a Make target launches): world, replicas, accumulation, precision, TF32 and the
     dropout masks, with recipe and launch files compared (check_consistency). The engines read these
     fields and never derive them again. Needs plan.on_gpu (launch_plan_here) and a numeric
-    train.micro_batch_size (preflight.choose_micro_batch). -> the same plan, filled in."""
+    train.micro_batch_size (preflight.choose_micro_batch). capability: the GPU's compute capability,
+    "local" (this rank's GPU) or None (a GPU not at hand, as make memory plans for: bf16 not checked).
+    -> the same plan, filled in."""
     from .dropout import packed_dropout_here
+    if capability == "local":
+        capability = local_capability() if plan.on_gpu else None
     plan.world, plan.replicas = world_size, pipeline_replicas(plan, world_size)
     plan.accum = grad_accum_steps(cfg.train, plan.replicas)
-    check_consistency(cfg, plan, plan.replicas, plan.accum, bool(plan.on_gpu),
-                      local_capability() if plan.on_gpu else None)
+    check_consistency(cfg, plan, plan.replicas, plan.accum, bool(plan.on_gpu), capability)
     plan.precision, plan.tf32 = cfg.train.mixed_precision, bool(plan.on_gpu and cfg.train.tf32)
     plan.packed_dropout = packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile,
                                               "cuda" if plan.on_gpu else "cpu")

@@ -24,7 +24,12 @@ for _var in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):
 
 
 # ----------------------------------------------------------------------------- DeepSpeed's op builds, once
-NEEDS_DS_OPS = ("zero", "deepspeed", "offload", "pipeline", "nvme", "test_backends", "memory", "slurm", "reliability")
+DS_MODULES = ("test_backends", "test_memory", "test_slurm", "test_reliability")   # files whose runs use DeepSpeed
+DS_WORDS = ("zero", "deepspeed", "offload", "pipeline", "nvme")                    # tests named for a DeepSpeed row
+# Each checkout builds its own ops: torch's JIT cache is keyed by the op's name alone, so two checkouts
+# sharing ~/.cache/torch_extensions rebuild each other's ops on every load (their source paths differ;
+# seen 2026-12-01: async_io built three times in one suite, about 8 minutes each).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -37,7 +42,7 @@ def pytest_collection_modifyitems(session, config, items):
     nvme = [item for item in matrix if "nvme" in item.name]
     matrix = [item for item in matrix if item not in nvme]
     items[:] = [item for item in items if item not in nvme and item not in matrix] + matrix + nvme
-    if any(word in item.nodeid for item in items for word in NEEDS_DS_OPS):
+    if any(item.module.__name__ in DS_MODULES or any(word in item.name for word in DS_WORDS) for item in items):
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
         # its own session: it outlives an interrupted pytest, so a build is never killed half-way (torch's
         # build lock would then make every later load wait)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from bert_recipes.config import ModelConfig, OptimConfig, TaskConfig
+from bert_recipes.config import ConfigError, ModelConfig, OptimConfig, TaskConfig
 from bert_recipes.memory import Shape, Workload, activation_bytes, measure_activations
 from bert_recipes.modeling import build_model, model_config
 from bert_recipes.optim import build_optimizer
@@ -207,8 +207,19 @@ def test_bert_base_width_at_sequence_512_matches_a_real_step(tmp_path):
 
 # ----------------------------------------------------------------------------- the planner
 def planner(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/memory.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    """tools/memory.py's main on these arguments, in this process (its planning needs no launcher; a
+    process would spend its seconds importing torch and transformers): exit code, stdout, stderr."""
+    import contextlib
+    import importlib.util
+    import io
+    if "memory_tool" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("memory_tool", REPO / "tools/memory.py")
+        sys.modules["memory_tool"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["memory_tool"])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sys.modules["memory_tool"].main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_planner_table_and_fit_verdict(tmp_path):
@@ -247,8 +258,10 @@ def suggestion_fits(args: list[str], change: str) -> str:
     # one 16 GiB GPU at sequence 512: a smaller micro batch with more accumulation
     (["--config", "accelerate_configs/1gpu.yaml", "--gpu-memory", "16", "--train.micro_batch_size=64",
       "--data.max_seq_length=512", "--train.global_batch_size=256"], "--train.micro_batch_size="),
-    # 8 GPUs under DDP at 10 GiB: sharding the optimizer states is enough
-    (["--config", "accelerate_configs/8gpu.yaml", "--gpu-memory", "10"], "switch to zero1"),
+    # 8 GPUs under DDP at 10 GiB: sharding the optimizer states is enough (with AdamW: ZeRO refuses LAMB)
+    (["--config", "accelerate_configs/8gpu.yaml", "--gpu-memory", "10", "--optim.name=adamw"], "switch to zero1"),
+    # the same with the recipe's LAMB: no ZeRO switch (training refuses it), a smaller micro batch instead
+    (["--config", "accelerate_configs/8gpu.yaml", "--gpu-memory", "10"], "--train.micro_batch_size="),
 ])
 def test_planner_names_a_change_that_fits(setting, expected):
     args = ["--recipe", "recipes/bert-large-mlm.yaml"] + setting
@@ -263,7 +276,7 @@ def test_planner_names_a_change_that_fits(setting, expected):
 
 def test_planner_suggests_checkpointing_when_the_micro_batch_cannot_shrink(tmp_path):
     """Micro batch 1 per rank: only checkpointing (or ZeRO-3) is left; memory set between the two."""
-    args = ["--recipe", "recipes/bert-large-mlm.yaml", "--config", "accelerate_configs/zero2.yaml",
+    args = ["--recipe", "recipes/bert-large-mlm.yaml", "--config", "accelerate_configs/zero2.yaml", "--optim.name=adamw",
             "--data.max_seq_length=512", "--train.micro_batch_size=1", "--train.global_batch_size=8"]
     assert planner(*args, "--gpu-memory", "80", "--out", str(tmp_path / "p.json")).returncode == 0
     row = json.loads((tmp_path / "p.json").read_text())["backends"]["zero2"]
@@ -294,13 +307,16 @@ def test_planner_runs_every_recipe_on_every_launch_config(capsys):
             err = capsys.readouterr().err
             if rc == 0:
                 planned.add(recipe.name)
-            else:   # the two refusals train.py itself would give
-                assert rc == 2 and ("not divisible" in err or "does not exist yet" in err), (recipe.name, config.name, err)
+            else:   # refusals train.py itself would give: batch arithmetic, a missing model, the launch checks
+                assert rc == 2 and err.startswith("config error: ") and any(
+                    why in err for why in ("not divisible", "does not exist yet", "conflicts with the recipe")), (
+                    recipe.name, config.name, err)
     # every recipe plans somewhere; chained ones once their model exists (here: a fresh-model override)
     chained = {"tiny-classify.yaml", "bert-base-mlm-phase2.yaml"}
     assert planned | chained == {r.name for r in (REPO / "recipes").glob("*.yaml")}, planned
-    for name in chained:
-        assert tool.main(["--recipe", str(REPO / "recipes" / name), "--model.name_or_path=null"]) == 0
+    for name in chained:   # a fresh model needs its tokenizer named, as train.py says (config.validate)
+        assert tool.main(["--recipe", str(REPO / "recipes" / name), "--model.name_or_path=null",
+                          f"--tokenizer.name_or_path={REPO / 'tests/data/wordpiece-1000'}"]) == 0
 
 
 def test_planner_rejects_bad_input(tmp_path):
@@ -318,3 +334,18 @@ def test_planner_rejects_bad_input(tmp_path):
     assert proc.returncode == 2 and "does not exist yet" in proc.stderr
     proc = planner("--recipe", "recipes/tiny-mlm.yaml", "--world", "3")
     assert proc.returncode == 2 and "not divisible" in proc.stderr
+
+
+def test_planner_refuses_what_a_launch_refuses_in_the_same_line(tmp_path):
+    """make memory runs a launch's checks (backend.resolve_run): the recipe's LAMB under ZeRO-2 is the
+    launch's one config error line, exit code 2, and no plan is written."""
+    out = tmp_path / "plan.json"
+    args = ("--recipe", "recipes/bert-large-mlm.yaml", "--config", "accelerate_configs/zero2.yaml", "--world", "8")
+    proc = planner(*args, "--out", str(out))
+    from bert_recipes.config import load_config
+    from bert_recipes.preflight import launch_plan, preflight
+    with pytest.raises(ConfigError) as launch:
+        preflight(load_config(REPO / "recipes/bert-large-mlm.yaml"), launch_plan("accelerate_configs/zero2.yaml"), 8)
+    assert proc.returncode == 2 and proc.stderr == f"config error: {launch.value}\n" and not proc.stdout, proc
+    assert "optim.name=lamb" in proc.stderr and not out.exists()
+    assert planner(*args, "--optim.name=adamw", "--out", str(out)).returncode == 0 and out.exists()

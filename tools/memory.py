@@ -17,6 +17,7 @@ then a verdict for the device memory, with the cheapest change when the run does
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -27,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bert_recipes.backend import plan_from_config_file   # noqa: E402
-from bert_recipes.config import ConfigError, grad_accum_steps, load_config   # noqa: E402
+from bert_recipes.backend import LaunchPlan, backend_rows, plan_from_config_file, resolve_run   # noqa: E402
+from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
 from bert_recipes.memory import (BACKENDS, GiB, Launch, Shape, activation_bytes, fmt, launch_of,  # noqa: E402
                                  measure_activations, measure_states, plan_backend, planner_row, predict_run,
                                  replicas, step_precision, workload_of)
@@ -57,18 +58,39 @@ def recipe_shape(cfg) -> tuple[Shape, str | None]:
 
 
 # ----------------------------------------------------------------------------- the launch config
-def read_launch_config(path: str | None, world: int | None, device: str | None, precision: str) -> tuple[str, Launch]:
+def read_launch_config(path: str | None, world: int | None, device: str | None,
+                       precision: str) -> tuple[str, Launch, LaunchPlan]:
     """The backend, world size, device and DeepSpeed settings an accelerate YAML (and the JSON it
     names) would run; without a YAML, DDP on one CUDA device."""
-    if path is None:
-        return "ddp", Launch(world=world or 1, mixed_precision=precision, device=device or "cuda")
-    plan = plan_from_config_file(path)
+    plan = plan_from_config_file(path) if path else LaunchPlan()
     backend = planner_row(plan)
     if backend is None:
         raise ConfigError(f"--config {path} runs {plan.name}, which the planner does not model "
                           f"(it models {', '.join(BACKENDS)})")
     device = device or ("cpu" if plan.cpu else "cuda")
-    return backend, launch_of(plan, world or plan.num_processes or 1, precision, device)
+    plan.on_gpu = device == "cuda"
+    return backend, launch_of(plan, world or plan.num_processes or 1, precision, device), plan
+
+
+def refusal(cfg, backend: str, world: int) -> str | None:
+    """Why a launch of this recipe under another backend (its row's YAML in backends.tsv) would be
+    refused, or None."""
+    plan = plan_from_config_file(backend_rows()[backend].config)
+    plan.on_gpu = True
+    try:
+        resolve_run(copy.deepcopy(cfg), plan, world, capability=None)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def check_as_a_launch(cfg, plan: LaunchPlan, world: int) -> None:
+    """The checks a launch makes of this recipe and launch config (backend.resolve_run: the batch
+    arithmetic, recipe against accelerate YAML and DeepSpeed JSON, what a backend refuses), so that
+    make memory never plans a run that training refuses. The GPU is not at hand: its bf16 support is
+    not checked."""
+    validate(cfg)
+    resolve_run(cfg, plan, world, capability=None)
 
 
 # ----------------------------------------------------------------------------- plan
@@ -124,6 +146,8 @@ def verdict(backend: str, shape: Shape, cfg, launch: Launch, memory: float) -> l
     options += [(f"switch to {o}", o, micro, ckpt) for o in ("zero3", "zero3-offload")
                 if o != backend and (o == "zero3-offload" or launch.world > 1)]
     for text, other, mb, with_ckpt in options:
+        if other != backend and refusal(cfg, other, launch.world):
+            continue   # a switch that training would refuse (LAMB under ZeRO) is no fix
         plan = plan_for(other, shape, cfg, launch, mb, with_ckpt)
         if need(plan) <= memory:
             return lines + [f"cheapest fix: {text}: needs {fmt(need(plan))}"]
@@ -132,15 +156,16 @@ def verdict(backend: str, shape: Shape, cfg, launch: Launch, memory: float) -> l
 
 def print_plan(args, cfg) -> dict:
     shape, note = recipe_shape(cfg)
-    backend, launch = read_launch_config(args.config, args.world, args.device,
-                                         args.precision or cfg.train.mixed_precision)
+    if args.precision:
+        cfg.train.mixed_precision = args.precision
+    backend, launch, plan = read_launch_config(args.config, args.world, args.device, cfg.train.mixed_precision)
     memory = args.gpu_memory * GiB
     if cfg.train.micro_batch_size == "auto":   # as a GPU run would pick it on this much memory
         cfg.train.micro_batch_size = largest_micro_batch(backend, shape, cfg, launch, memory,
                                                          cfg.model.gradient_checkpointing) or 1
         print(f"train.micro_batch_size=auto: {cfg.train.micro_batch_size} on {args.gpu_memory:g} GiB (a run decides "
               "from its GPU's free memory, with a margin: bert_recipes.memory.auto_micro_batch)")
-    grad_accum_steps(cfg.train, replicas(backend, launch))   # the batch arithmetic train.py will insist on
+    check_as_a_launch(cfg, plan, launch.world)   # the same refusals as a launch, the same one line
     micro, ckpt = cfg.train.micro_batch_size, cfg.model.gradient_checkpointing
     print(f"{Path(args.recipe).name}: {shape.params / 1e6:.1f}M parameters, micro batch {micro} x seq "
           f"{cfg.data.max_seq_length}, {launch.world} x {launch.device} devices, precision {launch.mixed_precision}, "
