@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .metrics import available_metrics, default_metrics   # the metric scripts' names (stdlib only)
+
 
 class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key."""
@@ -641,7 +643,6 @@ def validate(cfg: Config) -> None:
         if cfg.task.label_names and len(cfg.task.label_names) != cfg.task.num_labels:
             raise ConfigError(f"task.label_names has {len(cfg.task.label_names)} names but "
                               f"task.num_labels={cfg.task.num_labels}")
-    from .metrics import available_metrics, default_metrics
     for name in cfg.task.metrics or []:
         if name not in available_metrics():
             raise ConfigError(f"task.metrics: unknown metric '{name}' (available: {available_metrics()})")

@@ -20,7 +20,8 @@ from .config import Config
 from .data import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .guard import control_group, on_any_rank, slow_barrier
 from .logs import Trackers
-from .metrics import batch_rows, joined_rows, predictions
+from .metrics import joined_rows
+from .modeling import batch_rows, predictions
 from .perf import peak_memory_gb
 
 

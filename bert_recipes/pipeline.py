@@ -34,8 +34,8 @@ from .config import Config, ConfigError
 from .data import Indexed
 from .guard import control_group, slow_barrier
 from .logs import Trackers
-from .metrics import batch_rows, joined_rows, predictions
-from .modeling import masked_lm_loss
+from .metrics import joined_rows
+from .modeling import batch_rows, masked_lm_loss, predictions
 
 TIED_KEY = "embeddings"
 

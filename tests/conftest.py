@@ -30,6 +30,8 @@ DS_WORDS = ("zero", "deepspeed", "offload", "pipeline", "nvme")                 
 # sharing ~/.cache/torch_extensions rebuild each other's ops on every load (their source paths differ;
 # seen 2026-12-01: async_io built three times in one suite, about 8 minutes each).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# ... and compiles them at -O1 without debug info (tests/g++-quick): a third less of the suite's longest work.
+os.environ.setdefault("CXX", str(REPO / "tests/g++-quick"))
 
 
 def pytest_collection_modifyitems(session, config, items):

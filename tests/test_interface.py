@@ -81,3 +81,36 @@ def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datas
     assert calls.count("bert_recipes/config.py:grad_accum_steps") == 1, calls
     assert result["cycles"] == [] and "bert_recipes/engine.py" in result["files"]
     assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of bert_recipes -> the package modules it imports, at the top or inside a function."""
+    import ast
+    root, graph = REPO / "bert_recipes", {}
+    for path in root.rglob("*.py"):
+        if path.parent != root and path.parent.name == "metrics" and path.name != "__init__.py":
+            continue   # the metric scripts: loaded by evaluate, not imported
+        name = ".".join(("bert_recipes", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        graph[name] = {".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+                       for node in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(node, ast.ImportFrom) and node.level}
+    return {name: {t for t in targets if t in graph} for name, targets in graph.items()}
+
+
+def test_no_import_circle_in_the_package():
+    """Not even through a function-local import (config.validate -> metrics -> modeling -> config was one)."""
+    graph = package_imports()
+    assert "bert_recipes.modeling" in graph["bert_recipes.engine"], graph["bert_recipes.engine"]   # it sees them
+
+    def circle_from(start, node, path):
+        for target in sorted(graph[node]):
+            if target == start:
+                return path + [target]
+            if target not in path:
+                found = circle_from(start, target, path + [target])
+                if found:
+                    return found
+        return None
+    circles = [c for c in (circle_from(m, m, [m]) for m in sorted(graph)) if c]
+    assert not circles, [" -> ".join(c) for c in circles]

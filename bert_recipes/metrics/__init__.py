@@ -46,24 +46,6 @@ def majority_baseline(train_labels, eval_labels) -> float:
     return float((torch.as_tensor(eval_labels) == values[counts.argmax()]).float().mean())
 
 
-def predictions(task, logits):
-    """Class ids, or the value of a regression (num_labels 1), from a batch's logits."""
-    return logits.squeeze(-1).float() if task.num_labels == 1 else logits.argmax(-1)
-
-
-def batch_rows(task, logits, labels, masked_positions=None) -> dict:
-    """One evaluation batch's per-sample rows (device tensors), the same for every engine: the MLM
-    loss sum, labelled tokens and hits of each sample; or predictions and references.
-    masked_positions: the static head's K slots (its logits have one row per slot)."""
-    from ..modeling import per_sample_mlm_loss, slot_labels
-    if task.kind == "mlm":
-        if masked_positions is not None:
-            labels = slot_labels(labels, masked_positions)
-        sums, counts, correct = per_sample_mlm_loss(logits, labels)
-        return {"loss_sums": sums, "token_counts": counts, "correct": correct}
-    return {"preds": predictions(task, logits), "refs": labels}
-
-
 def joined_rows(parts: list[dict]) -> dict:
     """Batches of rows (CPU tensors; every rank's, each sample once) -> one numpy array per key,
     what eval_metrics reads; loss sums in float64."""
