@@ -107,7 +107,10 @@ else
 endif
 
 # ---------------------------------------------------------------- diagnostics (docs/troubleshooting.md: "When training is slow or hangs")
-GPUS      = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+# The GPUs torch sees, counted once per make (a torch import, about 2 s) and only where an NVIDIA device or
+# nvidia-smi is present: elsewhere 0 at once (CPU hosts: every `make <mode> -n` and CPU=1 line).
+GPUS      = $(eval GPUS := $(if $(wildcard /dev/nvidia[0-9]*)$(shell command -v nvidia-smi 2>/dev/null),$\
+	$(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null),0))$(GPUS)
 DIAG_NPROC = $(or $(NPROC),$(if $(filter-out 0,$(GPUS)),$(GPUS),2))
 DIAG_ENV   = $(if $(filter-out 0,$(GPUS)),,ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1)
 

@@ -23,7 +23,12 @@ from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads + DataLoader forks deadlock
 
-import torch
+from bert_recipes.cli import check_command_line, say_config_error
+
+if __name__ == "__main__":   # a mistake in the recipe or its overrides: one line now, not after torch loads (~5 s)
+    check_command_line(sys.argv[1:])
+
+import torch  # noqa: E402 (after the command line's check)
 
 from bert_recipes.backend import launch_plan_here
 from bert_recipes.checkpoint import (check_shared_output_dir, model_card, read_train_state, resolve_resume,
@@ -32,7 +37,7 @@ from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, opt
                                  schedule_warnings, to_yaml, validate)
 from bert_recipes.data import on_rank0, prepare_data
 from bert_recipes.engine import build_engine
-from bert_recipes.guard import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
+from bert_recipes.guard import (EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
                                 StopAgreement, all_max, is_collective_timeout, leave, preempted_exit_code)
 from bert_recipes.interface import Engine, check_engine
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
@@ -374,19 +379,12 @@ def finish(run: Run, wall_time_s: float) -> dict:
     return final
 
 
-LINE_GRACE_S = 10   # how long a silent rank waits after a config error before it exits
-
-
 def run_cli(argv: list[str] | None = None) -> int:
     """train.py's exit codes: 0 done (or halted at train.halt_at_step), 2 a config or input error,
     3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 128 + signal
     when preempted (143 SIGTERM, 138 SIGUSR1). Messages for 2-4 come once, from rank 0 (4: from
     the rank that saw it), without a traceback."""
     rank, cfg = int(os.environ.get("RANK", "0")), Config()
-    # Rank 0 prints a user's mistake; so does the first rank of every other node (prefixed), so that an
-    # error only one node sees (a node-local path) is not lost. One node: one line.
-    speaks = rank == 0 or os.environ.get("LOCAL_RANK") == "0"
-    prefix = "" if rank == 0 else f"[rank {rank}] "
     try:
         cfg, print_only = parse_train_args(argv)
         if print_only:
@@ -394,14 +392,8 @@ def run_cli(argv: list[str] | None = None) -> int:
             print(to_yaml(cfg), end="")
             return 0
         return main(cfg).get("exit_code", 0)
-    except ConfigError as e:
-        if not speaks and os.environ.get("WORLD_SIZE", "1") != "1":
-            # The same mistake is usually seen by every rank: leave rank 0 time to say it before this
-            # rank's exit makes the launcher stop it (seen in CI: the line was lost that way).
-            time.sleep(LINE_GRACE_S)
-        if speaks:
-            print(f"{prefix}config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+    except ConfigError as e:   # once, from rank 0 (and the first rank of every other node)
+        return say_config_error(e)
     except Diverged as e:
         if rank == 0:
             print(str(e), file=sys.stderr)

@@ -13,7 +13,7 @@
   written while a streak lasts, so the last good one is never overwritten by a diverged state.
 - A stuck or lost rank: every collective waits at most `train.collective_timeout_s`; the run then
   ends with exit code 4 and a message naming the setting.
-- A user mistake (config, data, paths): one `config error:` line from rank 0, exit code 2.
+- A user mistake (config, data, paths): one `config error:` line from rank 0, exit code 2 (bert_recipes/cli.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import torch
 
 from .config import first_line
 
-EXIT_CONFIG = 2
 EXIT_DIVERGED = 3
 EXIT_TIMEOUT = 4
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -255,17 +255,24 @@ def test_suspicious_settings_warn_once_and_run(tmp_path, sample_dir, datasets_ca
 
 
 def test_exit_codes_of_the_command_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
-    """`python train.py` itself: 2 for a config error (one line on stderr, no traceback)."""
+    """`python train.py` itself: 2 for a config error (one line on stderr, no traceback), told before
+    torch or transformers is imported (bert_recipes/cli.py: about 5 s sooner); --print-config likewise."""
     out = tmp_path / "out"
     args = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer})]
-    proc = subprocess.run([sys.executable, "train.py", *args, "--optim.lr=-1"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ})
+    proc = subprocess.run([sys.executable, "-X", "importtime", "train.py", *args, "--optim.lr=-1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ})
     assert proc.returncode == 2
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "yaml" in imported and not {"torch", "transformers"} & imported
+    mine = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     # the only line of ours (a library's warning on some host would not be a second one of ours)
-    assert [line for line in proc.stderr.splitlines() if "error" in line.lower()] == [
+    assert [line for line in mine if "error" in line.lower()] == [
         "config error: optim.lr=-1.0 is not allowed: it must be positive (e.g. 1e-4)"]
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+    shown = subprocess.run([sys.executable, "-X", "importtime", "train.py", *args, "--print-config"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "max_steps: 24" in shown.stdout and "| torch\n" not in shown.stderr + "\n"
 
 
 def test_resume_auto_skips_a_damaged_checkpoint_and_says_so(prepared, tmp_path, sample_dir, datasets_cache,

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 SIZES = {   # model, vocabulary, sequence, micro batch
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256, vocab=1000,
-                 seq=64, batch=16),
+                 seq=64, batch=16, auto_global=32),
     "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024, vocab=8192,
                  seq=128, batch=16),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab=30522,
@@ -50,7 +50,9 @@ SIZES = {   # model, vocabulary, sequence, micro batch
 MODEL_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 LR, SEED = 1e-4, 7
 WINDOW = 10          # train.py rows log every WINDOW steps, as a user's run does (logging.log_every's default)
-AUTO_GLOBAL = 256    # the global batch of the automatic-micro-batch rows (BERT's phase-1 per-GPU share)
+# The global batch of the automatic-micro-batch rows: BERT's phase-1 per-GPU share; a size may set its own
+# (tiny, the CPU rehearsal's: 2 micro batches, the same accumulation path at an eighth of the work).
+AUTO_GLOBAL = 256
 EQUAL_WORK = ["data.max_predictions_per_seq=null", "model.sparse_mlm_head=false"]   # the Trainer's head and masking
 
 
@@ -87,7 +89,7 @@ def row(name: str, workload: str, side: str, precision: str, **more) -> dict:
 def auto_micro(cuda: bool, size: dict) -> list[str]:
     """train.py's automatic micro batch (GPUs); on CPU processes, which have no free-memory figure, the
     size's micro batch stands in (a rehearsal runs the same rows)."""
-    return [f"train.global_batch_size={AUTO_GLOBAL}", "train.micro_batch_size=" + ("auto" if cuda else str(size["batch"]))]
+    return [f"train.global_batch_size={size.get('auto_global', AUTO_GLOBAL)}", "train.micro_batch_size=" + ("auto" if cuda else str(size["batch"]))]
 
 
 def gpu_rows(part: str, cuda: bool, size: dict) -> list[dict]:
@@ -448,7 +450,7 @@ def spec_of(row_: dict, args, data: dict, out: Path, state: dict) -> dict:
     if row_.get("micro_from"):   # the micro batch (and accumulation to AUTO_GLOBAL) that train.py's auto picked
         picked = state["runs"].get(row_["micro_from"] + "|" + row_["precision"]) or [{}]
         spec["micro"] = picked[-1].get("micro_batch") or size["batch"]
-        spec["accum"] = max(1, AUTO_GLOBAL // spec["micro"])
+        spec["accum"] = max(1, size.get("auto_global", AUTO_GLOBAL) // spec["micro"])
     return spec
 
 
