@@ -5,11 +5,15 @@ need neither. So `python train.py` (and every rank under a launcher) parses and 
 line first: a typo is one line and exit code 2 in well under a second, and `--print-config` prints at
 once. What needs the launch plan, the data or the devices is checked later (bert_recipes/preflight.py).
 
+A finished command exits without the interpreter's teardown (quick_exit): with torch and transformers loaded,
+freeing every module's objects takes about 1.2 s a process, for nothing.
+
 A config error is told once: by rank 0, and by the first rank of every other node (prefixed), so that
 a mistake only one node sees (a node-local path) is not lost. Standard library and PyYAML only.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -45,3 +49,15 @@ def check_command_line(argv: list[str]) -> None:
     if print_only:
         print(to_yaml(cfg), end="")
         sys.exit(0)
+
+
+def quick_exit(code: int | None) -> None:
+    """Exit now with `code`: the exit handlers run (atexit: loggers, temporary directories), the standard
+    streams are flushed, and the interpreter's teardown is skipped (about 1.2 s once transformers is
+    imported). Every file this repository writes is closed by then (written whole, then renamed)."""
+    if not isinstance(code, (int, type(None))):   # sys.exit's other meaning: a message, exit code 1
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

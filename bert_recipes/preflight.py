@@ -165,4 +165,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from .cli import quick_exit   # without the interpreter's teardown (about 1 s)
+    quick_exit(main(sys.argv[1:]))
