@@ -30,13 +30,14 @@ if __name__ == "__main__":   # a mistake in the recipe or its overrides: one lin
 
 import torch  # noqa: E402 (after the command line's check)
 
-from bert_recipes.backend import launch_plan_here
-from bert_recipes.checkpoint import (check_shared_output_dir, model_card, read_train_state, resolve_resume,
-                                     save_checkpoint, start_output_dir)
+from bert_recipes.backends.plan import launch_plan_here
+from bert_recipes.checkpoint import (check_shared_output_dir, read_train_state, resolve_resume, save_checkpoint,
+                                     start_output_dir)
 from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
                                  schedule_warnings, to_yaml, validate)
-from bert_recipes.data import on_rank0, prepare_data
+from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
+from bert_recipes.export import model_card
 from bert_recipes.guard import (EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
                                 StopAgreement, all_max, is_collective_timeout, leave, preempted_exit_code)
 from bert_recipes.interface import Engine, check_engine
@@ -45,10 +46,11 @@ from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
-from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
 from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table,
                                start_profiler)
 from bert_recipes.preflight import preflight, same_on_every_rank
+from bert_recipes.rank0 import on_rank0
+from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
 
 
 # ----------------------------------------------------------------------------- main

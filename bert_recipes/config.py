@@ -585,6 +585,13 @@ def predictions_per_seq(cfg: Config) -> int | None:
     return d.max_predictions_per_seq
 
 
+def packed_dropout_here(impl: str, compile: bool, device_type: str) -> bool:
+    """Does this run draw packed dropout masks? model.dropout_impl=packed, on a CPU, without
+    train.compile. The run (build_model, with plan.on_gpu's device) and the memory planner
+    (bert_recipes.activations, with the device it plans for) both ask this; the device is an input."""
+    return impl == "packed" and device_type == "cpu" and not compile
+
+
 def padded_batches(cfg: Config) -> bool:
     """Are this run's batches padded (lengths that vary, an attention mask)? Packed MLM blocks are not."""
     return cfg.task.kind != "mlm" or not cfg.data.packing

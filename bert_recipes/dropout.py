@@ -20,7 +20,7 @@ packed masks the attention is that math path with this mask, for BERT's bidirect
 math path upcasts q, k, v to fp32, here the two matmuls run in bf16 (fp32 softmax), as fused GPU kernels
 do. On GPUs torch's fused dropout is already cheap: packed is refused there (bert_recipes.preflight), and
 under torch.compile it is not used (dynamo cannot trace `random_`, and inductor's kernels draw their own
-bits). `packed_dropout_here` is the one answer, for the run and for the memory planner.
+bits). `config.packed_dropout_here` is the one answer, for the run and for the memory planner.
 """
 from __future__ import annotations
 
@@ -47,13 +47,6 @@ def packed_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
         return x * 0
     mask, scale = keep_mask(x.shape, p, x.device)
     return x.mul(mask).mul_(scale)   # autograd keeps the mask (mul's backward), not x
-
-
-def packed_dropout_here(impl: str, compile: bool, device_type: str) -> bool:
-    """Does this run draw packed dropout masks? model.dropout_impl=packed, on a CPU, without
-    train.compile. The run (build_model, with plan.on_gpu's device) and the memory planner
-    (bert_recipes.memory, with the device it plans for) both ask this; the device is an input."""
-    return impl == "packed" and device_type == "cpu" and not compile
 
 
 class PackedDropout(nn.Dropout):

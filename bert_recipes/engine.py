@@ -13,15 +13,17 @@ from pathlib import Path
 
 import torch
 
-from .backend import (LaunchPlan, build_accelerator, check_nvme_gradient_swap, deepspeed_owned, describe,
-                      optimizer_in_effect, rank_checksums, set_kernels, zero3_keeps_model_dtype)
-from .checkpoint import export_model
+from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, rank_checksums, set_kernels
+from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, zero3_keeps_model_dtype
+from .backends.plan import LaunchPlan
+from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .config import Config
-from .data import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
+from .export import export_model
 from .guard import control_group, on_any_rank, slow_barrier
 from .logs import Trackers
 from .metrics import joined_rows
 from .modeling import batch_rows, predictions
+from .optim import build_scheduler
 from .perf import peak_memory_gb
 
 
@@ -73,7 +75,7 @@ class AccelerateEngine:
 
     def __init__(self, cfg: Config, plan: LaunchPlan, output_dir: Path):
         self.cfg, self.plan, self.name = cfg, plan, plan.name
-        self.accum, self.on_gpu = plan.accum, plan.on_gpu   # resolved once (backend.resolve_run)
+        self.accum, self.on_gpu = plan.accum, plan.on_gpu   # resolved once (backends.consistency.resolve_run)
         self.accelerator = build_accelerator(cfg, plan, output_dir)
         kernels = set_kernels(plan)
         a = self.accelerator
@@ -147,7 +149,9 @@ class AccelerateEngine:
                                  **{**kwargs, "collate_fn": copy.copy(collate)})   # masks of epoch 0, always
         # The schedule wraps the torch optimizer itself, before prepare: ZeRO keeps that optimizer
         # (and its param_groups) inside its own. A DeepSpeed JSON may own both instead.
-        optimizer, scheduler, owned = deepspeed_owned(self.accelerator, self.cfg, module, optimizer, scheduler)
+        optimizer, scheduler, owned = deepspeed_owned(
+            self.accelerator, self.cfg, module, optimizer, scheduler,
+            recipe_schedule=lambda opt, total=scheduler.total_steps: build_scheduler(opt, self.cfg.optim, total))
         if owned:
             self.print0(owned)
         with zero3_keeps_model_dtype() if self.plan.zero_stage == 3 else contextlib.nullcontext():
@@ -191,10 +195,10 @@ class AccelerateEngine:
         assert a.sync_gradients, "the loop and Accelerate disagree on the accumulation boundary"
         loss = torch.stack(losses).float().mean()
         if self.plan.deepspeed:   # DeepSpeed clipped and stepped, or skipped a non-finite step (its overflow check)
-            skipped = a.optimizer_step_was_skipped
+            grad_norm, skipped = deepspeed_step(a, self.model)
             if not skipped:       # as DeepSpeed's own schedules (and the Trainer) do
                 self.scheduler.step()
-            return loss, self.model.get_global_grad_norm(), skipped, False
+            return loss, grad_norm, skipped, False
         grad_norm = a.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)   # fp16: unscales first
         if hasattr(grad_norm, "full_tensor"):   # FSDP2 returns a DTensor: the global norm as a plain tensor
             grad_norm = grad_norm.full_tensor()

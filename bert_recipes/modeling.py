@@ -229,7 +229,7 @@ def _transformers_quiet():
 def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None, packed_dropout: bool = False):
     """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig
     (`config`, when given, instead of one derived from the tokenizer), with the recipe's attention
-    (bert_recipes.dropout; packed_dropout: dropout.packed_dropout_here's answer for this run)."""
+    (bert_recipes.dropout; packed_dropout: config.packed_dropout_here's answer for this run)."""
     from transformers import BertForSequenceClassification
 
     if config is None:

@@ -23,8 +23,8 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
     if cfg.name == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if offloaded and cfg.cpu_adam:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam   # built on first use (~45 s), then cached
-        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=True)
+        from .backends.deepspeed import cpu_adam
+        return cpu_adam(groups, cfg)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=True if cfg.fused else None, foreach=None if cfg.fused else True)
 

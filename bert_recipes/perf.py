@@ -200,7 +200,7 @@ SYNC_CALLS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__",
 # collator (before the batch is copied to the device), torch's CPU optimizer kernels (host scalars such
 # as the step count), the data loader, and the stop agreement's gloo tensor. Matched against
 # "<file> <function's qualified name>".
-HOST_SITES = ("bert_recipes/data.py ", "torch/optim/", "torch/utils/data/", "bert_recipes/guard.py StopAgreement.")
+HOST_SITES = ("bert_recipes/collate.py ", "bert_recipes/batching.py ", "torch/optim/", "torch/utils/data/", "bert_recipes/guard.py StopAgreement.")
 
 
 def _bool_index(args) -> bool:
@@ -232,33 +232,6 @@ def _site(frame) -> tuple[str, bool]:
             return site, host
         frame = frame.f_back
     return "torch", host
-
-
-# The host waits DeepSpeed's own step makes, with the line that causes each (DeepSpeed 0.19.8): they are
-# inside its optimizer step, which this repository does not change. Matched by file and function.
-DEEPSPEED_SYNCS = {
-    "deepspeed/runtime/utils.py is_invalid_grad_norm":
-        "`bool((~torch.isfinite(norm) | (norm < 0)).any())` (runtime/utils.py:233): ZeRO-1/2's step "
-        "(stage_1_and_2.py:3043) and its clipping (unscale_and_clip_grads, :3203), ZeRO-3's step (stage3.py:2888) "
-        "skip a step whose gradient norm is not finite",
-    "deepspeed/runtime/zero/stage_1_and_2.py complete_grad_norm_calculation_for_cpu_offload":
-        "ZeRO-1/2 with offload_optimizer: each parameter's gradient norm read with .item() (:1929, :1949)",
-    "deepspeed/runtime/zero/stage3.py complete_grad_norm_calculation_for_cpu_offload":
-        "ZeRO-3 with offload_optimizer: the gradient norms read on the host (stage3.py:1989, :2003)",
-    "deepspeed/runtime/zero/stage_1_and_2.py update_offload_overflow_tracker":
-        "ZeRO-1/2 with offload_optimizer: an overflow flag read per parameter gradient (:1792)",
-    "deepspeed/runtime/zero/utils.py get_lst_from_rank0":
-        "ZeRO-3, first steps only: partitioned_param_coordinator.py's reset_step checks, until its parameter "
-        "trace is complete, that every rank recorded the same module and parameter order (zero/utils.py:110)",
-    "deepspeed/runtime/zero/utils.py <listcomp>": "the same check (the list comprehension inside get_lst_from_rank0)",
-    "deepspeed/runtime/zero/utils.py assert_lst_len_same_as_other_ranks": "the same check (zero/utils.py:90)",
-}
-
-
-def allowed_deepspeed_sync(site: str) -> bool:
-    file_and_function = site.split(" [")[0].split(" <- ")[0]
-    file, function = file_and_function.split(":")[0], file_and_function.split(" ")[-1]
-    return f"{file} {function}" in DEEPSPEED_SYNCS
 
 
 # Python data written to the device: a tensor built there from Python values, or a copy onto it. On a
@@ -398,8 +371,8 @@ class SyncAudit:
         import sys
         targets = [(torch.cuda, "synchronize")]
         if "deepspeed" in sys.modules:   # DeepSpeed's accelerator (its throughput timer, its optimizer steps)
-            from deepspeed.accelerator import get_accelerator
-            targets.append((get_accelerator(), "synchronize"))
+            from .backends.deepspeed import synchronize_owner
+            targets.append(synchronize_owner())
         for owner, attr in targets:
             original = getattr(owner, attr)
 

@@ -29,13 +29,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import load_rng_state, save_rng_state, write_export
+from .batching import Indexed
 from .config import Config, ConfigError
-from .data import Indexed
+from .export import write_export
 from .guard import control_group, slow_barrier
 from .logs import Trackers
 from .metrics import joined_rows
 from .modeling import batch_rows, masked_lm_loss, predictions
+from .rng import load_rng_state, save_rng_state
 
 TIED_KEY = "embeddings"
 
@@ -193,7 +194,8 @@ class PipelineEngine:
         import deepspeed
         import deepspeed.comm as dist
 
-        from .backend import check_trackers, set_kernels
+        from .backends.accelerator import set_kernels
+        from .backends.consistency import check_trackers
         if cfg.model.gradient_checkpointing:
             raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
                               "pipeline.activation_checkpoint_interval instead")
@@ -216,7 +218,7 @@ class PipelineEngine:
         world, self.rank = dist.get_world_size(), dist.get_rank()
         if world != plan.world:
             raise ConfigError(f"the launcher started {plan.world} processes (WORLD_SIZE) but DeepSpeed sees {world}")
-        # world, replicas and accumulation: resolved once (backend.resolve_run), recipe vs JSON compared there
+        # world, replicas and accumulation: resolved once (backends.consistency.resolve_run), recipe vs JSON compared there
         self.num_processes, self.replicas, self.accum = world, plan.replicas, plan.accum
         self.stages, self.partition = world // self.replicas, plan.ds_config["pipeline"].get("partition", "parameters")
         self.is_main = self.rank == 0
@@ -281,7 +283,7 @@ class PipelineEngine:
         from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
         from torch.utils.data import BatchSampler, DataLoader
 
-        from .data import loader_kwargs
+        from .batching import loader_kwargs
         t = self.cfg.train
         ds_config = {k: v for k, v in self.plan.ds_config.items() if k != "pipeline"}
         ds_config.update(train_micro_batch_size_per_gpu=t.micro_batch_size, gradient_accumulation_steps=self.accum,
@@ -384,7 +386,7 @@ class PipelineEngine:
     # ------------------------------------------------------------ state
     def save(self, path: str):
         """DeepSpeed's pipeline checkpoint (weights, optimizer, schedule), plus every rank's random
-        state, which DeepSpeed does not keep (in the Accelerate engine's format: checkpoint.save_rng_state),
+        state, which DeepSpeed does not keep (in the Accelerate engine's format: rng.save_rng_state),
         so dropout continues exactly on resume."""
         self.engine.save_checkpoint(path, tag="engine")
         save_rng_state(path, self.rank, self.on_gpu)

@@ -17,10 +17,11 @@ import os
 import sys
 from pathlib import Path
 
-from .backend import LaunchPlan, _true, check_trackers, decide_on_gpu, plan_from_config_file, resolve_run
+from .backends.consistency import check_trackers, resolve_run
+from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
 from .checkpoint import check_output_dir, check_resume_path
 from .config import Config, ConfigError, padded_batches, parse_train_args, resolve, to_yaml, validate
-from .data import check_data_files, check_prepared_dir
+from .sources import check_data_files, check_prepared_dir
 
 
 def looks_local(name: str) -> bool:
@@ -44,7 +45,7 @@ def check_paths(cfg: Config) -> None:
 def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) -> list[str]:
     """Every check that needs no data, model or process group; raises ConfigError naming the field.
     Fills the settings `resolve` derives and train.micro_batch_size=auto, and resolves the plan
-    (backend.resolve_run) that the engines read. -> the notes to print once the run starts."""
+    (backends.consistency.resolve_run) that the engines read. -> the notes to print once the run starts."""
     validate(cfg)
     notes = resolve(cfg) + choose_micro_batch(cfg, plan, world_size, env) + choose_loader(cfg, plan, env)
     # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)

@@ -90,7 +90,7 @@ def test_ddp_reference_is_healthy(ddp_reference):
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"])
 def test_deepspeed_rows(name, row_run, ddp_reference):
     """What engaged (stage, offload, measured sharding) is what the row's config asks for, in the one
-    backend vocabulary (bert_recipes.backend.LaunchPlan; tests/test_consistency.py pins it)."""
+    backend vocabulary (bert_recipes.backends.plan.LaunchPlan; tests/test_consistency.py pins it)."""
     out, metrics = row_run(name)
     assert_healthy(metrics, "DistributedType.DEEPSPEED")
     backend, plan = metrics["final"]["backend"], ROWS[name].plan
@@ -113,7 +113,7 @@ def _libaio_available() -> bool:
 # fp32 forward then fails on mixed dtypes). Intermediate 4096 keeps every tensor under 1 MiB a rank,
 # while the optimizer's flat fp32 partitions (2.3 MB a rank) swap. With the optimizer on NVMe, DeepSpeed
 # 0.19.8 also swaps gradient partitions of 1 MiB or more, and on CPU processes its updates then come out
-# wrong: refused (backend.check_nvme_gradient_swap; tests/test_bad_input.py launches that refusal).
+# wrong: refused (backends/deepspeed.py: check_nvme_gradient_swap; tests/test_bad_input.py launches that refusal).
 SWAPS_PARAMETERS = {"model.hidden_size": 64, "model.intermediate_size": 16384}
 SWAPS_OPTIMIZER_ONLY = {"model.hidden_size": 64, "model.intermediate_size": 4096}
 MIB = 2 ** 20
@@ -172,7 +172,7 @@ def test_zero3_nvme_parameters_stay_fp32(tmp_path, sample_dir, datasets_cache, s
     """Parameters on NVMe while training (max_in_cpu=1: none brought back to host memory; the
     optimizer in host memory, see above), fp32: each rank's 4 MLP partitions are 2 MiB files on the
     disk (1 MiB if DeepSpeed held them in bf16, as 0.19.8 does on a CPU without fp16 support unless
-    backend.zero3_keeps_model_dtype steps in), DeepSpeed holds them in fp32, and the run matches DDP."""
+    backends/deepspeed.py's zero3_keeps_model_dtype steps in), DeepSpeed holds them in fp32, and the run matches DDP."""
     metrics, seen = nvme_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, SWAPS_PARAMETERS, {
         "offload_param": {"max_in_cpu": 1, "buffer_size": MIB}, "offload_optimizer": {"device": "cpu"}})
     backend = metrics["final"]["backend"]
@@ -187,8 +187,8 @@ def test_no_host_waits_between_log_steps(name, row_run):
     that would make the host wait for a GPU (a tensor read as a number or copied to the host, a boolean-
     mask index, synchronize). None under DDP (one node or two) and FSDP2: the loss, the counts and the
     skip decisions stay on the device. Under DeepSpeed only its own step's, each named with its line in
-    perf.DEEPSPEED_SYNCS."""
-    from bert_recipes.perf import allowed_deepspeed_sync
+    backends/deepspeed.py's DEEPSPEED_SYNCS."""
+    from bert_recipes.backends.deepspeed import allowed_deepspeed_sync
     _, metrics = row_run(name)
     sites = metrics["final"]["sync_audit"]
     per_window = [row["host_syncs"] for row in metrics["history"]["train"]]

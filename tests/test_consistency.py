@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bert_recipes.backend import check_consistency, read_launch_plan
+from bert_recipes.backends.consistency import check_consistency
+from bert_recipes.backends.plan import read_launch_plan
 from bert_recipes.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +115,7 @@ def test_fsdp_on_cpu_is_refused_not_run_as_ddp(tmp_path):
 def test_one_backend_vocabulary_for_every_row():
     """Kind, ZeRO stage, offload and sharding come from each row's config files, read once by
     LaunchPlan; the names are the Make targets (multinode is DDP over two machines)."""
-    from bert_recipes.backend import backend_rows
+    from bert_recipes.backends.plan import backend_rows
     expected = {"ddp": ("ddp", 0, "none", False), "fsdp": ("fsdp", 0, "none", True),
                 "zero1": ("deepspeed", 1, "none", False), "zero2": ("deepspeed", 2, "none", False),
                 "zero2-offload": ("deepspeed", 2, "cpu", False), "zero3": ("deepspeed", 3, "none", True),
@@ -133,7 +134,7 @@ def test_one_backend_vocabulary_for_every_row():
 def test_make_targets_use_the_tables_cpu_launch_rule():
     """`make <mode> CPU=1` prefixes the row's cpu_env and launches its cpu_config: DeepSpeed rows get
     DS_ACCELERATOR=cpu (never ACCELERATE_USE_CPU, which would silently turn them into DDP)."""
-    from bert_recipes.backend import backend_rows
+    from bert_recipes.backends.plan import backend_rows
     for name, row in backend_rows().items():
         if name.startswith("multinode") or row.gpu_only:   # gpu-only: tests/test_first_hour.py
             continue

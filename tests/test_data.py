@@ -7,9 +7,12 @@ from collections import Counter
 import pytest
 import torch
 
+from bert_recipes.batching import Indexed
+from bert_recipes.collate import MLMCollator
 from bert_recipes.config import Config, ConfigError
-from bert_recipes.data import Indexed, MLMCollator, load_raw, texts, tokenize, train_wordpiece
 from bert_recipes.sample import LABELS, build_sample
+from bert_recipes.sources import load_raw, texts, train_wordpiece
+from bert_recipes.tokenizing import tokenize
 
 
 def read_jsonl(path):
@@ -72,7 +75,8 @@ TOKENIZE_SCRIPT = """
 import json, sys
 from transformers import AutoTokenizer
 from bert_recipes.config import Config
-from bert_recipes.data import load_raw, tokenize
+from bert_recipes.sources import load_raw
+from bert_recipes.tokenizing import tokenize
 cfg = Config()
 cfg.data.sample_dir, cfg.data.cache_dir, cfg.data.max_seq_length, cfg.data.max_train_samples = sys.argv[1:5]
 cfg.data.max_seq_length, cfg.data.max_train_samples = int(cfg.data.max_seq_length), int(cfg.data.max_train_samples)
@@ -243,7 +247,8 @@ def test_length_bins_leave_the_least_padding_and_every_batch_takes_one():
     where asked), the longest length of any split always the last; a padded batch takes the smallest bin
     that holds it, with a mask, also when its rows are of one length; without bins that batch is stacked
     as it is."""
-    from bert_recipes.data import ClassificationCollator, length_bins, padded_width
+    from bert_recipes.batching import length_bins, padded_width
+    from bert_recipes.collate import ClassificationCollator
     lengths = [5] * 50 + [9] * 30 + [17] * 15 + [40] * 5
     assert length_bins(lengths, 4, None) == [5, 9, 17, 40]
     assert length_bins(lengths, 4, 8, longest=60) == [8, 16, 24, 64]

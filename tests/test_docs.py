@@ -177,7 +177,7 @@ def test_a_memory_example_prints_what_the_docs_show_and_what_fits_passes_preflig
     """The planner on the docs' own command line prints the output the docs show (a verdict, or the one
     config error line a launch would print); a configuration it plans as fitting passes a launch's
     preflight, so the docs never show a plan that training refuses."""
-    from bert_recipes.backend import LaunchPlan
+    from bert_recipes.backends.plan import LaunchPlan
     from bert_recipes.config import load_config
     from bert_recipes.preflight import launch_plan, preflight
 

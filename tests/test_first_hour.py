@@ -72,7 +72,7 @@ def test_a_gpu_only_row_on_cpu_is_one_line_from_the_table(tmp_path):
     """`make fsdp CPU=1`: backends.tsv gives FSDP no CPU launch, and the Makefile says so from the
     table (gpu-only) in one line, before any process starts; gpu-check skips the row for the same
     reason, read from the same table."""
-    from bert_recipes.backend import backend_rows
+    from bert_recipes.backends.plan import backend_rows
     assert [name for name, row in backend_rows().items() if row.gpu_only] == ["fsdp"]
     out = tmp_path / "out"
     proc = make("fsdp", "CPU=1", f"ARGS=--run.output_dir={out}", timeout=120)
@@ -86,7 +86,7 @@ def test_a_gpu_only_row_on_cpu_is_one_line_from_the_table(tmp_path):
 def test_a_mistake_only_a_rank_sees_is_one_line_and_keeps_its_code(tmp_path, sample_dir, datasets_cache,
                                                                    shared_tokenizer):
     """A ZeRO-3 NVMe run whose gradients DeepSpeed would swap on CPU processes (a 1 MiB partition:
-    backend.check_nvme_gradient_swap) is refused inside the ranks, after the model is built: the
+    backends/deepspeed.py: check_nvme_gradient_swap) is refused inside the ranks, after the model is built: the
     rank's line comes once, the launcher's ChildFailedError report is dropped, nothing is written."""
     ds = json.loads((REPO / "ds_configs/zero3_nvme.json").read_text())
     (tmp_path / "nvme").mkdir()

@@ -11,7 +11,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from bert_recipes.backend import LaunchPlan, backend_rows, bf16_supported, check_consistency, decide_on_gpu
+from bert_recipes.backends.consistency import check_consistency
+from bert_recipes.backends.plan import LaunchPlan, backend_rows, bf16_supported, decide_on_gpu
 from bert_recipes.config import ConfigError, load_config
 from bert_recipes.engine import skip_update_if
 from bert_recipes.guard import slow_barrier
@@ -193,7 +194,8 @@ def test_collectives_get_the_recipes_timeout(monkeypatch):
     tests/test_reliability.py shows it firing)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    import bert_recipes.backend as backend
+    from bert_recipes.backends.accelerator import build_accelerator
+    from bert_recipes.backends.consistency import resolve_run
     seen = {}
 
     class Stop(Exception):
@@ -207,7 +209,7 @@ def test_collectives_get_the_recipes_timeout(monkeypatch):
     cfg = load_config(RECIPE, ["train.collective_timeout_s=42", "train.global_batch_size=64",
                                "train.micro_batch_size=32"])
     with pytest.raises(Stop):
-        backend.build_accelerator(cfg, backend.resolve_run(cfg, LaunchPlan(on_gpu=False), 2), REPO / "runs/unused")
+        build_accelerator(cfg, resolve_run(cfg, LaunchPlan(on_gpu=False), 2), REPO / "runs/unused")
     handler = seen["InitProcessGroupKwargs"]
     assert isinstance(handler, InitProcessGroupKwargs) and handler.timeout == timedelta(seconds=42)
     assert handler.backend == "gloo"
@@ -246,7 +248,7 @@ def test_the_automatic_micro_batch_is_the_largest_divisor_the_planner_fits(free_
     divisors of 32. With an H200's memory free the whole 32 fits; with less, the largest divisor whose
     predicted peak fits the free memory less the margin, and a one-line reason; with too little, a
     one-line error naming what to do. (The GPU run confirms the pick with a real step: make bench.)"""
-    from bert_recipes.backend import plan_from_config_file
+    from bert_recipes.backends.plan import plan_from_config_file
     from bert_recipes.config import ConfigError
     from bert_recipes.memory import MARGIN_BYTES, MARGIN_SHARE, auto_micro_batch, predict_run
     from bert_recipes.modeling import model_config
@@ -289,7 +291,7 @@ def kernel_flags():
     (False, True, True, False),    # a CPU run: nothing is set
 ])
 def test_masked_batches_on_a_gpu_never_take_cudnn_attention(kernel_flags, on_gpu, padded, cudnn_after, said):
-    from bert_recipes.backend import set_kernels
+    from bert_recipes.backends.accelerator import set_kernels
     torch.backends.cuda.enable_cudnn_sdp(True)
     line = set_kernels(LaunchPlan(on_gpu=on_gpu, padded=padded, tf32=True))
     assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn_after
@@ -305,7 +307,8 @@ def test_masked_batches_on_a_gpu_never_take_cudnn_attention(kernel_flags, on_gpu
 def test_compile_is_static_where_the_shapes_repeat(overrides, dynamic, mode):
     """train.compile through Accelerate's TorchDynamoPlugin: dynamic=False where the batches take a fixed set
     of shapes, torch's automatic dynamic shapes otherwise; a mode for inductor only."""
-    from bert_recipes.backend import dynamo_plugin, resolve_run
+    from bert_recipes.backends.accelerator import dynamo_plugin
+    from bert_recipes.backends.consistency import resolve_run
     cfg = load_config(RECIPE, overrides)
     if cfg.data.max_predictions_per_seq == "auto":
         cfg.data.max_predictions_per_seq = 19

@@ -37,24 +37,25 @@ def test_a_missing_member_is_named():
 
 def test_train_py_reads_the_device_from_the_plan_only():
     """The places that used to decide "on a GPU?" themselves now read the plan's decision
-    (backend.launch_plan_here) or take the device as an input; only decide_on_gpu asks CUDA.
+    (backends.plan.launch_plan_here) or take the device as an input; only decide_on_gpu asks CUDA.
     (tools/memory.py plans for a device it is told; only its --gpu-memory default reads this GPU.)"""
     asks = subprocess.run(["grep", "-rn", "torch.cuda.is_available()", "train.py", "bert_recipes", "tools/allreduce.py"], cwd=REPO, capture_output=True, text=True).stdout.splitlines()
-    assert [line.split(":")[0] for line in asks] == ["bert_recipes/backend.py"], asks
-    probe = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from bert_recipes.backend import launch_plan_here; "
+    assert [line.split(":")[0] for line in asks] == ["bert_recipes/backends/plan.py"], asks
+    probe = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from bert_recipes.backends.plan import launch_plan_here; "
              "p = launch_plan_here({'ACCELERATE_USE_CPU': '1'}); print(p.on_gpu, p.pin_memory)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
 
 
 def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
-    """preflight resolves the plan (backend.resolve_run): world, replicas, accumulation, precision,
+    """preflight resolves the plan (backends.consistency.resolve_run): world, replicas, accumulation, precision,
     TF32 and the dropout masks; the recipe is compared with the launch files there, once, and the
     engines read the result. Followed on a real one-process run (tools/config_path.py): the config
     never goes back into a module already on the call stack."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from bert_recipes.backend import LaunchPlan, resolve_run
+    from bert_recipes.backends.consistency import resolve_run
+    from bert_recipes.backends.plan import LaunchPlan
     from bert_recipes.config import load_config
     from conftest import tiny_args
     sys.path.insert(0, str(REPO / "tools"))
@@ -77,7 +78,7 @@ def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datas
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     calls = result["functions"]
-    assert calls.count("bert_recipes/backend.py:check_consistency") == 1, calls
+    assert calls.count("bert_recipes/backends/consistency.py:check_consistency") == 1, calls
     assert calls.count("bert_recipes/config.py:grad_accum_steps") == 1, calls
     assert result["cycles"] == [] and "bert_recipes/engine.py" in result["files"]
     assert (tmp_path / "run" / "metrics.json").is_file()

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from bert_recipes.config import ConfigError, ModelConfig, OptimConfig, TaskConfig
-from bert_recipes.memory import Shape, Workload, activation_bytes, measure_activations
+from bert_recipes.activations import Shape, Workload, activation_bytes
+from bert_recipes.measure import measure_activations
 from bert_recipes.modeling import build_model, model_config
 from bert_recipes.optim import build_optimizer
 from conftest import REPO, launch_script
@@ -35,7 +36,7 @@ def tiny_model(task: str, hidden: int, layers: int, heads: int, seq: int, dropou
                             dropout_impl=dropout_impl)
     task_cfg = TaskConfig(kind=task, num_labels=num_labels)
     config = model_config(model_cfg, task_cfg, vocab_size=500, pad_token_id=0)
-    from bert_recipes.dropout import packed_dropout_here
+    from bert_recipes.config import packed_dropout_here
     return build_model(model_cfg, task_cfg, config=config,
                        packed_dropout=packed_dropout_here(dropout_impl, False, "cpu")), config
 
@@ -337,7 +338,7 @@ def test_planner_rejects_bad_input(tmp_path):
 
 
 def test_planner_refuses_what_a_launch_refuses_in_the_same_line(tmp_path):
-    """make memory runs a launch's checks (backend.resolve_run): the recipe's LAMB under ZeRO-2 is the
+    """make memory runs a launch's checks (backends.consistency.resolve_run): the recipe's LAMB under ZeRO-2 is the
     launch's one config error line, exit code 2, and no plan is written."""
     out = tmp_path / "plan.json"
     args = ("--recipe", "recipes/bert-large-mlm.yaml", "--config", "accelerate_configs/zero2.yaml", "--world", "8")

@@ -25,7 +25,7 @@ def test_static_positions_give_the_loss_of_the_boolean_head(shared_tokenizer, sa
     be masked) and many are short, so unused slots (which point at position 0) must not count."""
     from transformers import AutoTokenizer, BertConfig
 
-    from bert_recipes.data import MLMCollator
+    from bert_recipes.collate import MLMCollator
     from bert_recipes.modeling import RecipeBertForMaskedLM
     tok = AutoTokenizer.from_pretrained(shared_tokenizer)
     lines = [l for l in (sample_dir / "pretrain/train.txt").read_text().splitlines() if len(l) > 60][:16]
@@ -276,7 +276,8 @@ def assert_export_holds_fp32_masters(out, backend: str, steps: int):
 
 
 def test_a_pinned_value_that_contradicts_the_recipe_is_named(tmp_path):
-    from bert_recipes.backend import LaunchPlan, check_consistency
+    from bert_recipes.backends.consistency import check_consistency
+    from bert_recipes.backends.plan import LaunchPlan
     from bert_recipes.config import ConfigError, load_config
     ds = json.loads(json.dumps(TEMPLATE))
     ds["optimizer"]["params"]["lr"] = 1e-3
@@ -297,7 +298,7 @@ def test_each_deepspeed_schedule_gets_its_own_params_from_the_recipe(decay):
     DeepSpeed's own class is built from what the recipe fills in, and after warmup it follows the
     recipe's curve, down to optim.min_lr_ratio for cosine."""
     from deepspeed.runtime import lr_schedules
-    from bert_recipes.backend import DS_SCHEDULES, ds_schedule_values
+    from bert_recipes.backends.deepspeed import DS_SCHEDULES, ds_schedule_values
     from bert_recipes.config import OptimConfig
     from bert_recipes.optim import build_scheduler
     o = OptimConfig(lr=1e-3, decay=decay, warmup_steps=4, min_lr_ratio=0.1 if decay == "cosine" else 0.0)
@@ -318,7 +319,7 @@ def test_each_deepspeed_schedule_gets_its_own_params_from_the_recipe(decay):
 
 
 def test_warmup_decay_lr_with_a_floor_is_refused():
-    from bert_recipes.backend import ds_block_conflicts
+    from bert_recipes.backends.deepspeed import ds_block_conflicts
     from bert_recipes.config import load_config
     cfg = load_config(REPO / "recipes/tiny-mlm.yaml", ["optim.min_lr_ratio=0.1"])
     conflicts = ds_block_conflicts(cfg, {"scheduler": TEMPLATE["scheduler"]}, "ds.json")

@@ -190,7 +190,7 @@ def test_whole_word_masking_masks_words_together_at_the_rate(sample_dir, shared_
     masking is a pure function of (seed, epoch, example)."""
     from transformers import AutoTokenizer
 
-    from bert_recipes.data import MLMCollator
+    from bert_recipes.collate import MLMCollator
     tok = AutoTokenizer.from_pretrained(shared_tokenizer)
     lines = [l for l in (sample_dir / "pretrain/train.txt").read_text().splitlines() if len(l) > 80][:400]
     examples = [{**tok(l, truncation=True, max_length=64, return_special_tokens_mask=True), "idx": i}
@@ -274,7 +274,8 @@ def test_lamb_follows_the_published_update_rule_step_by_step():
 
 def test_lamb_with_polynomial_decay_trains_and_is_refused_where_shards_break_it(tmp_path, sample_dir, datasets_cache,
                                                                                shared_tokenizer):
-    from bert_recipes.backend import LaunchPlan, check_consistency
+    from bert_recipes.backends.consistency import check_consistency
+    from bert_recipes.backends.plan import LaunchPlan
     from bert_recipes.optim import lr_factor
     assert lr_factor(0, 2, 10, "polynomial", 0.0, 0.5) == 0.5                       # warmup
     assert lr_factor(6, 2, 10, "polynomial", 0.0, 0.5) == pytest.approx(0.5 ** 0.5)   # (1 - 4/8) ** 0.5

@@ -113,7 +113,7 @@ def main():
                         help="(testing the watchdog) this rank never joins the collectives")
     args = parser.parse_args()
 
-    from bert_recipes.backend import launch_plan_here
+    from bert_recipes.backends.plan import launch_plan_here
     cuda = launch_plan_here().on_gpu   # the same device decision as train.py's
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(args.timeout * 2, 60)))

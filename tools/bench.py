@@ -182,7 +182,7 @@ def ours_command(spec: dict) -> tuple[list[str], dict]:
         return [sys.executable] + script + overrides, dict(os.environ)
     import torch
 
-    from bert_recipes.backend import backend_rows
+    from bert_recipes.backends.plan import backend_rows
     row_, cuda = backend_rows()[spec["backend"]], torch.cuda.is_available()   # launched as make <mode> does
     env = dict(os.environ) if cuda else row_.cpu_launch_env({**os.environ, "OMP_NUM_THREADS": "1"})
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
@@ -590,7 +590,8 @@ def collate_cost(data: dict, seq: int, batches: tuple = (32, 256), repeats: int 
     from datasets import DatasetDict
     from transformers import AutoTokenizer
 
-    from bert_recipes.data import Indexed, MLMCollator
+    from bert_recipes.batching import Indexed
+    from bert_recipes.collate import MLMCollator
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -621,7 +622,7 @@ def fetch_cost(data: dict, batch: int = 256, repeats: int = 20) -> dict[str, flo
     the DataLoader's fetcher does: row by row (__getitem__) against one Arrow call (data.Indexed.__getitems__)."""
     from datasets import DatasetDict
 
-    from bert_recipes.data import Indexed
+    from bert_recipes.batching import Indexed
     train = Indexed(DatasetDict.load_from_disk(str(data["mlm"] / "data"))["train"])
     out = {}
     for name, fetch in (("row by row", lambda ids: [train[i] for i in ids]), ("one Arrow call", train.__getitems__)):

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bert_recipes.backend import bf16_supported   # noqa: E402
+from bert_recipes.backends.plan import bf16_supported  # noqa: E402
 
 
 def _version(module: str) -> str | None:

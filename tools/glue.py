@@ -69,7 +69,7 @@ def run_task(task: str, args, overrides: list[str]) -> tuple[bool, Path]:
     else:
         config = args.config or "accelerate_configs/1gpu.yaml"
         if args.cpu:
-            from bert_recipes.backend import backend_rows
+            from bert_recipes.backends.plan import backend_rows
             row = backend_rows()["ddp"]
             env, config = row.cpu_launch_env(env), args.config or row.cpu_config
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(REPO / config)]

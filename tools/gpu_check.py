@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bert_recipes.backend import backend_rows   # noqa: E402
+from bert_recipes.backends.plan import backend_rows  # noqa: E402
 SIZES = {   # model overrides; the recipe is tiny-mlm (embedded sample) resized
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
@@ -29,7 +29,7 @@ SIZES = {   # model overrides; the recipe is tiny-mlm (embedded sample) resized
 
 
 def rows() -> list:
-    """The rows of accelerate_configs/backends.tsv (bert_recipes.backend.BackendRow)."""
+    """The rows of accelerate_configs/backends.tsv (bert_recipes.backends.plan.BackendRow)."""
     return list(backend_rows().values())
 
 

@@ -28,11 +28,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bert_recipes.backend import LaunchPlan, backend_rows, plan_from_config_file, resolve_run   # noqa: E402
+from bert_recipes.activations import Shape, activation_bytes, workload_of  # noqa: E402
+from bert_recipes.backends.consistency import resolve_run  # noqa: E402
+from bert_recipes.backends.plan import LaunchPlan, backend_rows, plan_from_config_file  # noqa: E402
 from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
-from bert_recipes.memory import (BACKENDS, GiB, Launch, Shape, activation_bytes, fmt, launch_of,  # noqa: E402
-                                 measure_activations, measure_states, plan_backend, planner_row, predict_run,
-                                 replicas, step_precision, workload_of)
+from bert_recipes.memory import (BACKENDS, GiB, Launch, fmt, launch_of, plan_backend, planner_row,  # noqa: E402
+                                 predict_run, replicas, step_precision)
 
 CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: not usable by tensors
 
@@ -85,7 +86,7 @@ def refusal(cfg, backend: str, world: int) -> str | None:
 
 
 def check_as_a_launch(cfg, plan: LaunchPlan, world: int) -> None:
-    """The checks a launch makes of this recipe and launch config (backend.resolve_run: the batch
+    """The checks a launch makes of this recipe and launch config (backends.consistency.resolve_run: the batch
     arithmetic, recipe against accelerate YAML and DeepSpeed JSON, what a backend refuses), so that
     make memory never plans a run that training refuses. The GPU is not at hand: its bf16 support is
     not checked."""
@@ -242,6 +243,7 @@ def print_measured(result: dict, b: int, s: int, out: str | None) -> None:
 def train_step(model, optimizer, accelerator, engine, batch: dict, probe: bool) -> dict:
     """measure's optimizer step on one batch; probe: also count the saved activations and the
     gradients held before the update. engine: DeepSpeed's (it backpropagates and steps itself)."""
+    from bert_recipes.measure import measure_activations, measure_states
     batch = {k: v.to(accelerator.device) for k, v in batch.items()}
     found = {}
     if probe:
@@ -268,7 +270,10 @@ def measure(args, cfg) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from bert_recipes.backend import build_accelerator, launch_plan_here, resolve_run
+    from bert_recipes.backends.accelerator import build_accelerator
+    from bert_recipes.backends.consistency import resolve_run
+    from bert_recipes.backends.plan import launch_plan_here
+    from bert_recipes.measure import measure_states
     from bert_recipes.modeling import build_model, model_config
     from bert_recipes.config import predictions_per_seq
     from bert_recipes.optim import build_optimizer

@@ -28,7 +28,8 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")   # one process: let the Rust tokenizer use the cores
 
 from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
-from bert_recipes.data import PREPARED_META, prepare_data, prepared_signature   # noqa: E402
+from bert_recipes.data import prepare_data   # noqa: E402
+from bert_recipes.sources import PREPARED_META, prepared_signature   # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

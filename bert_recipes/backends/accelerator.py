@@ -1,0 +1,162 @@
+"""The Accelerator a resolved plan asks for, the GPU kernels it sets, and what really engaged: the
+optimizer that steps, the backend described, the full weights and the ranks' checksums. The backend
+itself (DDP, DeepSpeed, FSDP) comes from the launch config; each one's own rules are in
+backends/deepspeed.py and backends/fsdp.py."""
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from ..config import Config, ConfigError
+from . import deepspeed as ds_rules
+from . import fsdp as fsdp_rules
+from .consistency import check_trackers
+from .plan import LaunchPlan
+
+def set_kernels(plan: LaunchPlan) -> str | None:
+    """The GPU kernels the run's plan calls for, set once before the model runs (nothing on CPUs):
+    - fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer; a no-op before), as
+      NVIDIA's recipes train; MFU then divides by the TF32 peak (bert_recipes.perf.gpu_peak);
+    - padded batches (an attention mask) never take cuDNN's attention: on Hopper torch may pick it for
+      a masked batch, and it builds an execution graph for every new shape, tens of milliseconds on
+      the host (the fine-tuning spikes of 185-250 ms every 3-5 steps measured on an H200, 2026-11-30).
+      They take the memory-efficient kernel, which takes the mask and dropout as inputs and needs no
+      per-shape setup; flash attention takes no mask. Unpadded batches (packed MLM, no mask) keep
+      torch's choice: flash, or cuDNN, whose one graph is then built once.
+    -> a line saying which attention kernels a masked batch may take, or None."""
+    if not plan.on_gpu:
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = plan.tf32
+    torch.backends.cudnn.allow_tf32 = plan.tf32
+    if not plan.padded:
+        return None
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return ("[attention] padded batches: scaled_dot_product_attention's memory-efficient kernel (it takes the mask "
+            "and dropout; cuDNN's attention, off for this run, would build a graph for every new shape)")
+
+
+def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
+    """The Accelerator, with the settings the recipe owns (precision, accumulation, trackers), from a
+    plan resolve_run has filled in (recipe and launch files already compared there). The backend
+    itself (DDP, DeepSpeed, FSDP) comes from the launch config."""
+    from accelerate import Accelerator
+    from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                                  ProjectConfiguration)
+
+    if plan.accum is None:
+        raise RuntimeError("build_accelerator needs a resolved plan: call backends.consistency.resolve_run first")
+    world_size, on_gpu = plan.world, plan.on_gpu
+    # Every collective gives up after train.collective_timeout_s (a stuck rank, a lost node). On CPU
+    # the backend must be named: otherwise Accelerate leaves it unset for DeepSpeed and sees 1 process.
+    handlers = [] if world_size == 1 else [InitProcessGroupKwargs(
+        backend=None if on_gpu else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
+    check_trackers(cfg.logging.trackers)   # opened by the engine (logs.Trackers), the same on every backend
+    accelerator = Accelerator(
+        mixed_precision=plan.precision,
+        # Every optimizer step takes exactly `accum` micro batches (train.py's loop), so the
+        # gradients sync on the count alone, never on an epoch's end.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=plan.accum, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,   # the engine steps the schedule once per optimizer step
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+        # non_blocking: pinned batches are copied to the GPU without making the host wait
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=cfg.data.pin_memory),
+        kwargs_handlers=handlers,
+        dynamo_plugin=dynamo_plugin(cfg.train, plan),   # train.compile: Accelerate compiles in prepare
+    )
+    ds_rules.refuse_if_replaced(accelerator, plan)
+    fsdp_rules.refuse_if_replaced(accelerator, plan)
+    ds_rules.fill_deepspeed_autos(accelerator, cfg)
+    accelerator.swap_dirs = ds_rules.private_swap_dirs(accelerator, output_dir)
+    if accelerator.num_processes != world_size:
+        raise ConfigError(f"the launcher started {world_size} processes but Accelerate sees "
+                           f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
+                           "see docs/backends.md 'Launching on CPU' for launch commands that really distribute")
+    return accelerator
+
+
+def dynamo_plugin(train, plan: LaunchPlan):
+    """train.compile as Accelerate's TorchDynamoPlugin (Accelerate refuses a plugin together with
+    dynamo_backend): train.compile_backend and compile_mode (a mode for inductor only: dynamo's debugging
+    backends take none), dynamic=False when the batches repeat a fixed set of shapes (plan.repeating_shapes:
+    one graph per shape, no symbolic sizes), else torch's automatic dynamic shapes. None: no compile."""
+    if not train.compile:
+        return None
+    from accelerate.utils import TorchDynamoPlugin
+    inductor = train.compile_backend == "inductor"
+    return TorchDynamoPlugin(backend=train.compile_backend, mode=train.compile_mode if inductor else "default",
+                             dynamic=False if plan.repeating_shapes else None)
+
+
+def optimizer_in_effect(optimizer) -> str:
+    """The optimizer that really steps, under Accelerate's and ZeRO's wrappers: its class, and the
+    variant (decoupled weight decay, fused / foreach kernel)."""
+    chain = [optimizer]
+    while getattr(chain[-1], "optimizer", None) is not None and chain[-1].optimizer is not chain[-1]:
+        chain.append(chain[-1].optimizer)
+    inner, group = chain[-1], chain[-1].param_groups[0]
+    facts = [f"adamw_mode={inner.adam_w_mode}"] if hasattr(inner, "adam_w_mode") else []
+    facts += [f"{k}={group[k]}" for k in ("fused", "foreach") if group.get(k)]
+    facts += [f"lr {group.get('initial_lr', group['lr']):g}", f"betas {tuple(group['betas'])}" if "betas" in group else "",
+              f"eps {group['eps']:g}" if "eps" in group else ""]
+    wrappers = " in ".join(type(o).__name__ for o in reversed(chain[1:-1] if len(chain) > 2 else []))
+    return (f"[optim] stepping: {type(inner).__name__} ({', '.join(f for f in facts if f)})"
+            + (f" inside {wrappers}" if wrappers else ""))
+
+
+def _local_numel(p) -> int:
+    """The parameter elements this rank holds: a ZeRO-3 partition, an FSDP2 shard, or the whole tensor."""
+    for numel in (ds_rules.zero3_partition_numel(p), fsdp_rules.dtensor_numel(p)):
+        if numel is not None:
+            return numel
+    return p.numel()
+
+
+def describe(accelerator, model, full_param_numel: int) -> dict:
+    """What really runs: backend, ZeRO stage and offload, and whether parameters are sharded
+    (a rank holding fewer parameter elements than the full model's `full_param_numel`)."""
+    from accelerate.utils import DistributedType
+    unwrapped = accelerator.unwrap_model(model)
+    local = sum(_local_numel(p) for p in (model if fsdp_rules.is_fsdp1(accelerator) else unwrapped).parameters())
+    info = {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision, "local_param_numel": local,
+            "full_param_numel": full_param_numel, "params_sharded": local < full_param_numel}
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        info.update(ds_rules.describe_deepspeed(model, unwrapped))
+    if accelerator.distributed_type == DistributedType.FSDP:
+        info.update(fsdp_rules.describe_fsdp(accelerator))
+    plugin = accelerator.state.dynamo_plugin   # train.compile (dynamo_plugin)
+    if plugin is not None and plugin.backend.value != "NO":
+        info["compile"] = {"backend": plugin.backend.value.lower(), "mode": plugin.mode, "dynamic": plugin.dynamic}
+    return info
+
+
+@contextlib.contextmanager
+def full_weights(accelerator, model):
+    """Yield {name: full tensor} as this rank sees the model, gathering shards where the backend
+    shards them (ZeRO-3: GatheredParameters; FSDP2: DTensor.full_tensor; FSDP1: summon_full_params).
+    Collective under sharded backends: every rank must enter it."""
+    from accelerate.utils import DistributedType
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and model.zero_optimization_stage() == 3:
+        with ds_rules.zero3_full_weights(unwrapped) as weights:
+            yield weights
+    elif fsdp_rules.is_fsdp1(accelerator):
+        with fsdp_rules.fsdp1_full_weights(accelerator, model) as weights:
+            yield weights
+    else:
+        yield {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+               for k, v in unwrapped.state_dict().items()}
+
+
+def rank_checksums(accelerator, model) -> list[list[float]]:
+    """[sum, sum of |w|] in float64 of the full weights as each rank sees them; equal rows mean
+    the ranks agree. Collective: every rank must call it."""
+    with full_weights(accelerator, model) as weights:
+        tensors = list(weights.values())
+        local = torch.tensor([[sum(float(t.double().sum()) for t in tensors),
+                               sum(float(t.double().abs().sum()) for t in tensors)]],
+                             dtype=torch.float64, device=accelerator.device)
+    return accelerator.gather(local).tolist()

@@ -1,0 +1,76 @@
+"""The recipe against its launch, once, before anything is built: resolve_run fills the plan in (world,
+replicas, accumulation, precision, TF32, dropout masks) and check_consistency names every conflict
+between the recipe and the launch files. The Make targets (preflight), every rank and the memory
+planner run the same checks. DeepSpeed's rules live in backends/deepspeed.py. No torch at import time.
+"""
+from __future__ import annotations
+
+from ..config import Config, ConfigError, grad_accum_steps, packed_dropout_here, padded_batches, repeating_shapes
+from .deepspeed import deepspeed_conflicts
+from .plan import LaunchPlan, bf16_supported, local_capability, pipeline_replicas
+
+
+def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int, has_cuda: bool,
+                      capability: tuple[int, int] | None = None) -> None:
+    """Compare recipe, accelerate YAML and DeepSpeed JSON; raise one ConfigError naming every conflict
+    with both values. The recipe owns the maths: launch files may leave a value unset/"auto" or
+    repeat it, but not contradict it. The DeepSpeed JSON's own rules: backends/deepspeed.py."""
+    t, o = cfg.train, cfg.optim
+    conflicts: list[str] = []
+
+    # precision: accelerate YAML 'no' means "not set here"
+    if plan.mixed_precision not in (None, "no", t.mixed_precision):
+        conflicts.append(f"precision: recipe train.mixed_precision={t.mixed_precision}, "
+                         f"accelerate config mixed_precision={plan.mixed_precision}")
+    conflicts += deepspeed_conflicts(cfg, plan, world_size, accum)   # the DeepSpeed JSON (backends/deepspeed.py)
+
+    # impossible combinations
+    if plan.deepspeed and plan.fsdp:
+        conflicts.append("FSDP and DeepSpeed are both enabled: pick one accelerate config")
+    if o.name == "lamb" and (plan.fsdp or plan.zero_stage >= 1):
+        what = "FSDP shards each parameter" if plan.fsdp else f"ZeRO-{plan.zero_stage} hands the optimizer flat shards"
+        conflicts.append(f"optim.name=lamb needs whole parameter tensors for its per-layer trust ratio, but {what} "
+                         "(DeepSpeed itself lists LAMB as untested with ZeRO): use a DDP config, or optim.name=adamw")
+    if t.mixed_precision == "fp16" and not has_cuda:
+        conflicts.append("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU Accelerate would silently train "
+                         "in fp32. Use bf16 (supported on CPU) or no")
+    if t.mixed_precision == "bf16" and has_cuda and capability is not None and not bf16_supported(capability):
+        major, minor = capability
+        conflicts.append(f"train.mixed_precision=bf16 but this GPU (compute capability {major}.{minor}) has no native "
+                         "bf16 (it needs 8.0, Ampere or newer; older GPUs emulate it slowly): use fp16")
+    if len(conflicts) == 1:
+        raise ConfigError(f"the launch config conflicts with the recipe: {conflicts[0]}")
+    if conflicts:
+        raise ConfigError("the launch config conflicts with the recipe:\n  - " + "\n  - ".join(conflicts))
+
+
+def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="local") -> LaunchPlan:
+    """The plan resolved with the recipe, once, before anything is built (preflight calls it, in every
+    rank and before a Make target launches): world, replicas, accumulation, precision, TF32 and the
+    dropout masks, with recipe and launch files compared (check_consistency). The engines read these
+    fields and never derive them again. Needs plan.on_gpu (launch_plan_here) and a numeric
+    train.micro_batch_size (preflight.choose_micro_batch). capability: the GPU's compute capability,
+    "local" (this rank's GPU) or None (a GPU not at hand, as make memory plans for: bf16 not checked).
+    -> the same plan, filled in."""
+    if capability == "local":
+        capability = local_capability() if plan.on_gpu else None
+    plan.world, plan.replicas = world_size, pipeline_replicas(plan, world_size)
+    plan.accum = grad_accum_steps(cfg.train, plan.replicas)
+    check_consistency(cfg, plan, plan.replicas, plan.accum, bool(plan.on_gpu), capability)
+    plan.precision, plan.tf32 = cfg.train.mixed_precision, bool(plan.on_gpu and cfg.train.tf32)
+    plan.packed_dropout = packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile,
+                                              "cuda" if plan.on_gpu else "cpu")
+    plan.padded, plan.repeating_shapes = padded_batches(cfg), repeating_shapes(cfg)
+    return plan
+
+
+def check_trackers(trackers: list[str]) -> list[str]:
+    """The recipe's trackers, each known and installed."""
+    for name in trackers:
+        if name not in ("tensorboard", "wandb", "mlflow"):
+            raise ConfigError(f"logging.trackers: unknown tracker '{name}' (use tensorboard, wandb or mlflow)")
+        try:
+            __import__(name)
+        except ImportError:
+            raise ConfigError(f"logging.trackers includes '{name}' but it is not installed: pip install {name}")
+    return list(trackers)

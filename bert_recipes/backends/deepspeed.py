@@ -1,0 +1,377 @@
+"""Everything DeepSpeed-specific (the pipeline engine aside: bert_recipes/pipeline.py), each rule with the
+DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README.md tells the user's side):
+
+- its JSON against the recipe (deepspeed_conflicts, ds_block_conflicts): the recipe owns the maths, a JSON
+  may leave a value "auto" or repeat it;
+- a JSON that owns the optimizer and the schedule (deepspeed_owned: Accelerate's DummyOptim and
+  DummyScheduler, every "auto" filled from the recipe) and the autos Accelerate would fill otherwise
+  (fill_deepspeed_autos);
+- NVMe offload: a private swap folder per run (private_swap_dirs), the gradient swap that goes wrong on
+  CPU processes (check_nvme_gradient_swap), ZeRO-3's dtype slip (zero3_keeps_model_dtype);
+- what engaged (describe_deepspeed, refuse_if_replaced) and ZeRO-3's gathered weights (zero3_full_weights);
+- its step's result (deepspeed_step), its CPU Adam (cpu_adam), the fp32 master weights an export holds
+  (fp32_state_dict), and the host waits its own step makes (DEEPSPEED_SYNCS, for perf.SyncAudit).
+
+No torch or deepspeed at import time: the consistency checks (preflight, make memory) import this file.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from ..config import Config, ConfigError
+from .plan import LaunchPlan
+
+DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ("lamb",)}
+DS_SCHEDULES = {"linear": "WarmupDecayLR", "constant": "WarmupLR", "cosine": "WarmupCosineLR"}
+
+
+def _set(value) -> bool:
+    """A value the user pinned (not missing, not 'auto')."""
+    return value is not None and value != "auto"
+
+
+def _differs(pinned, wanted) -> bool:
+    if isinstance(wanted, list):
+        return not isinstance(pinned, list) or len(pinned) != len(wanted) or any(_differs(a, b) for a, b in zip(pinned, wanted))
+    try:
+        return abs(float(pinned) - float(wanted)) > 1e-12 * max(1.0, abs(float(wanted)))
+    except (TypeError, ValueError):
+        return True
+
+
+def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: int) -> list[str]:
+    """The DeepSpeed JSON (and the accelerate YAML's deepspeed section) against the recipe, each conflict
+    with both values (backends.consistency.check_consistency raises them together with the others):
+    precision, batch arithmetic, clipping, an optimizer or schedule block, the pipeline's ZeRO stage,
+    the NVMe paths. Empty when the launch is not DeepSpeed's (its plan has no JSON)."""
+    t, o = cfg.train, cfg.optim
+    ds, name = plan.ds_config, plan.ds_config_path or "the DeepSpeed config"
+    conflicts: list[str] = []
+    for mode in ("bf16", "fp16"):
+        enabled = ds.get(mode, {}).get("enabled") if isinstance(ds.get(mode), dict) else None
+        if _set(enabled) and bool(enabled) != (t.mixed_precision == mode):
+            conflicts.append(f"precision: recipe train.mixed_precision={t.mixed_precision}, "
+                             f"{name} {mode}.enabled={enabled}")
+    # batch arithmetic
+    if _set(ds.get("train_micro_batch_size_per_gpu")) and int(ds["train_micro_batch_size_per_gpu"]) != t.micro_batch_size:
+        conflicts.append(f"micro batch: recipe train.micro_batch_size={t.micro_batch_size}, "
+                         f"{name} train_micro_batch_size_per_gpu={ds['train_micro_batch_size_per_gpu']}")
+    if _set(ds.get("train_batch_size")) and int(ds["train_batch_size"]) != t.global_batch_size:
+        conflicts.append(f"global batch: recipe train.global_batch_size={t.global_batch_size}, "
+                         f"{name} train_batch_size={ds['train_batch_size']}")
+    if _set(ds.get("gradient_accumulation_steps")) and int(ds["gradient_accumulation_steps"]) != accum:
+        conflicts.append(f"accumulation: the recipe gives {accum} (= global {t.global_batch_size} / (micro "
+                         f"{t.micro_batch_size} x {world_size} processes)), {name} gradient_accumulation_steps="
+                         f"{ds['gradient_accumulation_steps']}")
+    if plan.deepspeed and _set(plan.grad_accum_env) and int(plan.grad_accum_env) != accum:
+        conflicts.append(f"accumulation: the recipe gives {accum}, accelerate config gradient_accumulation_steps="
+                         f"{plan.grad_accum_env}")
+    # clipping
+    if _set(ds.get("gradient_clipping")) and float(ds["gradient_clipping"]) != o.max_grad_norm:
+        conflicts.append(f"clipping: recipe optim.max_grad_norm={o.max_grad_norm}, {name} gradient_clipping="
+                         f"{ds['gradient_clipping']}")
+    if plan.deepspeed and _set(plan.grad_clip_env) and float(plan.grad_clip_env) != o.max_grad_norm:
+        conflicts.append(f"clipping: recipe optim.max_grad_norm={o.max_grad_norm}, accelerate config "
+                         f"gradient_clipping={plan.grad_clip_env}")
+    # a JSON that owns the optimizer / schedule (Accelerate's templates): the recipe fills its "auto"s
+    conflicts += ds_block_conflicts(cfg, ds, name)
+    if plan.pipeline and plan.zero_stage >= 2:
+        conflicts.append(f"pipeline parallelism with ZeRO-{plan.zero_stage} ({name}): DeepSpeed's pipeline engine "
+                         "supports ZeRO-0/1 only (stage 2/3 shard the gradients the pipeline accumulates)")
+    zero = ds.get("zero_optimization", {})
+    for kind in ("offload_optimizer", "offload_param"):
+        offload = zero.get(kind) or {}
+        if offload.get("device") == "nvme":
+            path = offload.get("nvme_path")
+            if not path:
+                conflicts.append(f"{kind} to nvme needs nvme_path in {name}")
+            elif not Path(path).is_dir() or not os.access(path, os.W_OK):
+                conflicts.append(f"{kind}.nvme_path={path} in {name} is not a writable directory on this machine")
+    return conflicts
+
+
+def ds_block_conflicts(cfg: Config, ds: dict, name: str) -> list[str]:
+    """A DeepSpeed JSON may own the optimizer and the schedule, as Accelerate's templates do; each
+    value it pins must be the recipe's (the "auto"s are filled from the recipe)."""
+    o, out = cfg.optim, []
+    for key in ("optimizer", "scheduler"):
+        if key in ds and not (isinstance(ds[key], dict) and isinstance(ds[key].get("params", {}), dict)):
+            out.append(f"{key}: {name} {key} must be a mapping with a type and a params mapping, got {ds[key]!r}")
+            return out
+    block = ds.get("optimizer")
+    if isinstance(block, dict):
+        if str(block.get("type", "")).lower() not in DS_OPTIMIZERS[o.name]:
+            out.append(f"optimizer: recipe optim.name={o.name}, {name} optimizer.type={block.get('type')}")
+        params = block.get("params") or {}
+        if o.name == "adamw" and params.get("adam_w_mode") is False:
+            out.append(f"optimizer: recipe optim.name=adamw (decoupled weight decay), {name} "
+                       "optimizer.params.adam_w_mode=false (Adam with L2)")
+        for key, wanted in (("lr", o.lr), ("betas", list(o.betas)), ("eps", o.eps), ("weight_decay", o.weight_decay)):
+            if _set(params.get(key)) and _differs(params[key], wanted):
+                out.append(f"optimizer: recipe optim.{key}={wanted}, {name} optimizer.params.{key}={params[key]}")
+    offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+    if offload and ds.get("zero_force_ds_cpu_optimizer") is True and not o.cpu_adam and "optimizer" not in ds:
+        out.append(f"optimizer: recipe optim.cpu_adam=false (torch AdamW on the host), {name} "
+                   "zero_force_ds_cpu_optimizer=true (Accelerate would replace it with a CPU Adam)")
+    block = ds.get("scheduler")
+    if isinstance(block, dict):
+        wanted_type = DS_SCHEDULES.get(o.decay)
+        if block.get("type") != wanted_type:
+            shown = f"DeepSpeed's {wanted_type}" if wanted_type else "no DeepSpeed schedule has this shape"
+            out.append(f"schedule: recipe optim.decay={o.decay} ({shown}), {name} scheduler.type={block.get('type')}")
+        params = block.get("params") or {}
+        for key, wanted in ds_schedule_values(o, block.get("type"), o.warmup_steps, None).items():
+            if wanted is not None and _set(params.get(key)) and _differs(params[key], wanted):
+                out.append(f"schedule: the recipe gives {key}={wanted}, {name} scheduler.params.{key}={params[key]}")
+        if block.get("type") == "WarmupDecayLR" and o.min_lr_ratio != 0:
+            out.append(f"schedule: recipe optim.min_lr_ratio={o.min_lr_ratio}, {name} scheduler.type=WarmupDecayLR "
+                       "decays to 0 (set min_lr_ratio: 0, or drop the JSON's scheduler block)")
+    return out
+
+
+def ds_schedule_values(o, ds_type: str, warmup, total) -> dict:
+    """The recipe's values for a DeepSpeed schedule's params, per type (None: not known yet)."""
+    warmup = None if warmup is None else max(1, warmup)
+    if ds_type == "WarmupCosineLR":   # ratios of the optimizer's lr
+        return {"warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr_ratio, "warmup_num_steps": warmup,
+                "total_num_steps": total}
+    values = {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr, "warmup_num_steps": warmup}
+    return values if ds_type == "WarmupLR" else {**values, "total_num_steps": total}
+
+
+def deepspeed_owned(accelerator, cfg: Config, module, optimizer, scheduler, recipe_schedule):
+    """When the DeepSpeed JSON has an optimizer and/or scheduler block: Accelerate's DummyOptim /
+    DummyScheduler in place of the recipe's objects, every "auto" filled from the recipe (total steps
+    included: Accelerate's own fill would divide them by the world size). recipe_schedule(optimizer):
+    the recipe's schedule on another optimizer (DeepSpeed's, when the JSON owns the optimizer only).
+    -> (optimizer, scheduler, a line saying what is in effect, or None)."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config if plugin is not None else {}
+    if "optimizer" not in ds and "scheduler" not in ds:
+        return optimizer, scheduler, None
+    o, said = cfg.optim, []
+    if "optimizer" in ds:
+        params = ds["optimizer"].setdefault("params", {})
+        for key, value in (("lr", o.lr), ("betas", list(o.betas)), ("eps", o.eps), ("weight_decay", o.weight_decay)):
+            if params.get(key, "auto") == "auto":
+                params[key] = value
+        optimizer = DummyOptim(optimizer.param_groups, lr=o.lr, weight_decay=o.weight_decay)
+        said.append(f"optimizer {ds['optimizer'].get('type')} from the DeepSpeed config (lr {params['lr']}, betas "
+                    f"{params['betas']}, eps {params['eps']}, weight decay {params['weight_decay']}, none on biases "
+                    "and norms)")
+    total, warmup = scheduler.total_steps, scheduler.warmup_steps
+    if "scheduler" in ds:
+        params = ds["scheduler"].setdefault("params", {})
+        pinned = []
+        for key, value in ds_schedule_values(o, ds["scheduler"].get("type"), warmup, total).items():
+            if params.get(key, "auto") == "auto":
+                params[key] = value
+            elif _differs(params[key], value):
+                pinned.append(f"scheduler.params.{key}={params[key]}, the recipe gives {value}")
+        if pinned:
+            raise ConfigError("the DeepSpeed config's schedule contradicts the recipe: " + "; ".join(pinned)
+                              + ' (set them to "auto")')
+        scheduler = DummyScheduler(optimizer, total_num_steps=total, warmup_num_steps=max(1, warmup))
+        said.append(f"schedule {ds['scheduler']['type']} from the DeepSpeed config ({params['warmup_num_steps']} "
+                    f"warmup steps of {params.get('total_num_steps', total)})")
+        if params.get("warmup_type", "log") == "log":
+            said.append("note: its warmup is log-shaped (DeepSpeed's default warmup_type), the recipe's is linear; "
+                        'add "warmup_type": "linear" to the JSON\'s scheduler params for the recipe\'s shape')
+    elif isinstance(optimizer, DummyOptim):   # DeepSpeed's optimizer under the recipe's own schedule
+        scheduler = DummyScheduler(optimizer, lr_scheduler_callable=recipe_schedule)
+        said.append(f"the recipe's schedule ({o.decay}, {warmup} warmup steps of {total})")
+    return optimizer, scheduler, "[optim] " + "; ".join(said)
+
+
+def fill_deepspeed_autos(accelerator, cfg: Config) -> None:
+    """Accelerate fills an "auto" gradient_clipping with 1.0 whatever the script wants; make the
+    recipe the source instead (0 disables clipping, as in DeepSpeed). Under optimizer offload the
+    recipe's optimizer is used as built (optim.cpu_adam picks DeepSpeed's CPU Adam or torch's AdamW):
+    left to its default, Accelerate would rebuild it as a CPU Adam from lr and weight decay alone, and
+    a CPU Adam that is not a torch AdamW would lose its decoupled weight decay (adamw_mode)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = cfg.optim.max_grad_norm
+    ds.setdefault("zero_force_ds_cpu_optimizer", False)
+
+
+def check_nvme_gradient_swap(plan: LaunchPlan, model, world_size: int, on_gpu: bool) -> None:
+    """Refuse what DeepSpeed 0.19.8 gets wrong on CPU processes (ds_configs/README.md): with ZeRO-3's
+    optimizer offloaded to NVMe it swaps every gradient partition of at least max(1 MiB, aio.block_size)
+    to disk, and the updates then come out wrong, differently on every run (measured on CPU: the loss
+    off DDP by up to 0.04 within 4 steps; without such a partition, or with the optimizer in host
+    memory, the same runs match DDP within 1e-5). Not checked on GPUs, which are let through."""
+    zero = plan.ds_config.get("zero_optimization", {}) if plan.deepspeed else {}
+    if on_gpu or plan.zero_stage != 3 or (zero.get("offload_optimizer") or {}).get("device") != "nvme":
+        return
+    threshold = max(2 ** 20, int((plan.ds_config.get("aio") or {}).get("block_size", 2 ** 20)))
+    name, param = max(model.named_parameters(), key=lambda item: item[1].numel())
+    partition_bytes = -(-param.numel() // world_size) * 4   # fp32 gradients, split over the ranks
+    if partition_bytes >= threshold:
+        raise ConfigError(f"offload_optimizer to nvme in {plan.ds_config_path} on CPU processes: DeepSpeed 0.19.8 swaps "
+                          f"gradient partitions of {threshold / 2 ** 20:g} MiB or more to disk ({name}: "
+                          f"{partition_bytes / 2 ** 20:.1f} MiB a rank), and its updates then come out wrong "
+                          "(ds_configs/README.md); offload the optimizer to cpu instead, or train on GPUs")
+
+
+def private_swap_dirs(accelerator, output_dir: Path) -> list[Path]:
+    """ZeRO NVMe offload: DeepSpeed swaps into a folder of this run's below each nvme_path (named after
+    output_dir, so a rerun reuses it), which the engine removes when the run ends: DeepSpeed itself
+    leaves its swap files behind (the model's size several times over, on every node)."""
+    import hashlib
+    plugin = accelerator.state.deepspeed_plugin
+    zero = plugin.deepspeed_config.get("zero_optimization", {}) if plugin is not None else {}
+    tag = hashlib.sha256(str(Path(output_dir).absolute()).encode()).hexdigest()[:10]
+    dirs = []
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if section.get("device") == "nvme" and section.get("nvme_path"):
+            section["nvme_path"] = str(Path(section["nvme_path"]) / f"bert-recipes-swap-{tag}")
+            dirs.append(Path(section["nvme_path"]))
+    return sorted(set(dirs))
+
+
+@contextlib.contextmanager
+def zero3_keeps_model_dtype():
+    """Work around a DeepSpeed defect (0.19.8; ds_configs/README.md) while ZeRO-3 partitions the model:
+    `zero.Init._set_dtype`, given the model's dtype, returns "that dtype if the accelerator supports
+    fp16, else bf16" (an operator-precedence slip, and `is_bf16_supported` tested without calling
+    it). CUDA supports fp16, so GPU runs are not affected; a CPU without AVX512-FP16 (most AMD EPYC)
+    gets bf16, and under NVMe parameter offload the swap buffers, and with them the parameters of an
+    fp32 run, become bf16. Within this context a dtype that is passed in is kept. The defect is
+    probed, not assumed: where DeepSpeed already keeps the dtype, nothing is changed."""
+    import types
+
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import Init
+    original = Init._set_dtype
+    probe = types.SimpleNamespace()
+    original(probe, None, torch.float32)
+    if probe.dtype == torch.float32:
+        yield
+        return
+
+    def keep_given_dtype(self, ds_config, dtype):
+        if dtype is None:
+            original(self, ds_config, dtype)
+        else:
+            self.dtype = dtype
+    Init._set_dtype = keep_given_dtype
+    try:
+        yield
+    finally:
+        Init._set_dtype = original
+
+
+def describe_deepspeed(model, unwrapped) -> dict:
+    """What DeepSpeed engaged: ZeRO stage and offload, and under ZeRO-3 the dtype of this rank's partitions
+    (in memory, or on NVMe) and how many of them live on NVMe."""
+    info = dict(zero_stage=model.zero_optimization_stage(), offload_optimizer=bool(model.zero_offload_optimizer()),
+                offload_param=bool(model.zero_offload_param()))
+    params = [p for p in unwrapped.parameters() if hasattr(p, "ds_tensor")]
+    if params:
+        nvme = [getattr(p.ds_tensor, "final_location", None) == "nvme" for p in params]
+        info["param_dtypes"] = sorted({str(p.nvme_swapper.dtype if on_disk else p.ds_tensor.dtype)
+                                       for p, on_disk in zip(params, nvme)})
+        info["params_on_nvme"] = sum(nvme)
+    return info
+
+
+def zero3_partition_numel(p) -> int | None:
+    """ZeRO-3: the rank's shard lives in ds_tensor (p itself is empty); None for any other parameter."""
+    return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None
+
+
+@contextlib.contextmanager
+def zero3_full_weights(unwrapped):
+    """ZeRO-3's parameters gathered whole (GatheredParameters): {name: full tensor}. Collective."""
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+        yield {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}
+
+
+def refuse_if_replaced(accelerator, plan: LaunchPlan) -> None:
+    """A DeepSpeed config that Accelerate ran as something else (ACCELERATE_USE_CPU=1 makes it DDP)."""
+    from accelerate.utils import DistributedType
+    got = accelerator.distributed_type
+    if plan.deepspeed and got != DistributedType.DEEPSPEED:
+        raise ConfigError(f"the accelerate config asks for DeepSpeed but Accelerate runs {got} "
+                           "(ACCELERATE_USE_CPU=1 turns a DeepSpeed config into plain DDP: on CPU set "
+                           "DS_ACCELERATOR=cpu instead)")
+
+
+# ---------------------------------------------------------------------------- the step, the optimizer, the export
+def deepspeed_step(accelerator, model) -> tuple:
+    """After DeepSpeed's own step (inside backward, on the last micro batch): (its global gradient norm,
+    whether it skipped the update: its overflow check, decided on the host)."""
+    return model.get_global_grad_norm(), accelerator.optimizer_step_was_skipped
+
+
+def cpu_adam(groups: list[dict], cfg):
+    """DeepSpeed's vectorised CPU Adam for an offloaded step (optim.cpu_adam), in AdamW mode (decoupled
+    weight decay, as the recipe's AdamW). JIT-built on first use (about 45 s), then cached."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=True)
+
+
+def fp32_state_dict(accelerator, unwrapped) -> dict:
+    """Under DeepSpeed in bf16/fp16 the model's own parameters are 16-bit copies; the fp32 master
+    weights live in the optimizer, and those are what the export holds (safe_get_full_fp32_param,
+    a collective per parameter, so peak memory is one parameter). Gathering ourselves also means a
+    user's ZeRO-3 JSON without stage3_gather_16bit_weights_on_model_save still exports."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+    whole: dict[int, torch.Tensor] = {}
+    for param in unwrapped.parameters():          # tied weights appear once
+        master = safe_get_full_fp32_param(param)  # None where DeepSpeed keeps no separate fp32 copy
+        if master is None:
+            with deepspeed.zero.GatheredParameters([param]):   # a no-op below ZeRO-3
+                master = param.detach().clone()
+        if accelerator.is_main_process:
+            whole[id(param)] = master.detach().float().cpu()
+    if not accelerator.is_main_process:
+        return {}
+    return {name: whole[id(v)] if isinstance(v, torch.nn.Parameter) else v.detach().cpu()
+            for name, v in unwrapped.state_dict(keep_vars=True).items()}
+
+
+# ---------------------------------------------------------------------------- host waits (perf.SyncAudit)
+# The host waits DeepSpeed's own step makes, with the line that causes each (DeepSpeed 0.19.8): they are
+# inside its optimizer step, which this repository does not change. Matched by file and function.
+DEEPSPEED_SYNCS = {
+    "deepspeed/runtime/utils.py is_invalid_grad_norm":
+        "`bool((~torch.isfinite(norm) | (norm < 0)).any())` (runtime/utils.py:233): ZeRO-1/2's step "
+        "(stage_1_and_2.py:3043) and its clipping (unscale_and_clip_grads, :3203), ZeRO-3's step (stage3.py:2888) "
+        "skip a step whose gradient norm is not finite",
+    "deepspeed/runtime/zero/stage_1_and_2.py complete_grad_norm_calculation_for_cpu_offload":
+        "ZeRO-1/2 with offload_optimizer: each parameter's gradient norm read with .item() (:1929, :1949)",
+    "deepspeed/runtime/zero/stage3.py complete_grad_norm_calculation_for_cpu_offload":
+        "ZeRO-3 with offload_optimizer: the gradient norms read on the host (stage3.py:1989, :2003)",
+    "deepspeed/runtime/zero/stage_1_and_2.py update_offload_overflow_tracker":
+        "ZeRO-1/2 with offload_optimizer: an overflow flag read per parameter gradient (:1792)",
+    "deepspeed/runtime/zero/utils.py get_lst_from_rank0":
+        "ZeRO-3, first steps only: partitioned_param_coordinator.py's reset_step checks, until its parameter "
+        "trace is complete, that every rank recorded the same module and parameter order (zero/utils.py:110)",
+    "deepspeed/runtime/zero/utils.py <listcomp>": "the same check (the list comprehension inside get_lst_from_rank0)",
+    "deepspeed/runtime/zero/utils.py assert_lst_len_same_as_other_ranks": "the same check (zero/utils.py:90)",
+}
+
+
+def allowed_deepspeed_sync(site: str) -> bool:
+    file_and_function = site.split(" [")[0].split(" <- ")[0]
+    file, function = file_and_function.split(":")[0], file_and_function.split(" ")[-1]
+    return f"{file} {function}" in DEEPSPEED_SYNCS
+
+
+def synchronize_owner() -> tuple:
+    """DeepSpeed's accelerator and its `synchronize` (its throughput timer, its optimizer steps), for
+    perf.SyncAudit to count."""
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator(), "synchronize"

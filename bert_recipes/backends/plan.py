@@ -1,0 +1,264 @@
+"""What a launch asks for, decided once: the LaunchPlan and the backend matrix.
+
+`accelerate launch --config_file X.yaml` hands its settings to the script as ACCELERATE_* / FSDP_*
+environment variables; `read_launch_plan` reads them, plus the DeepSpeed JSON they point at. Tools
+that plan a launch without running it read the YAML itself with `plan_from_config_file`, into the
+same LaunchPlan, so the backend vocabulary (name, kind, ZeRO stage, offload, sharding) is defined
+once, here. The rows of accelerate_configs/backends.tsv (the Make targets) are BackendRows.
+
+No torch at import time (torch is imported only to ask for the GPUs): the Make targets' preflight and
+the memory planner read plans in a fraction of a second.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import ConfigError, yaml_problem
+
+REPO = Path(__file__).resolve().parents[2]
+
+BACKENDS_TSV = REPO / "accelerate_configs" / "backends.tsv"
+
+
+def _true(value: str | None) -> bool:
+    return str(value).lower() in ("1", "true", "yes")
+
+
+@dataclass
+class LaunchPlan:
+    """What the launcher requested, before Accelerate interprets it."""
+    deepspeed: bool = False
+    fsdp: bool = False
+    cpu: bool = False
+    mixed_precision: str | None = None        # accelerate YAML's mixed_precision
+    grad_accum_env: str | None = None         # accelerate YAML's deepspeed gradient_accumulation_steps
+    grad_clip_env: str | None = None          # accelerate YAML's deepspeed gradient_clipping
+    ds_config_path: str | None = None
+    ds_config: dict = field(default_factory=dict)
+    num_processes: int | None = None          # the YAML's num_processes (a running job reads WORLD_SIZE)
+    num_machines: int = 1
+    # Decided once, for the machine the run is on (launch_plan_here); None in a plan made for elsewhere
+    # (the memory planner, tools that plan a launch): those take the device as an input.
+    on_gpu: bool | None = None
+    # Resolved with the recipe, once, by resolve_run (preflight): what the engines and the loop read.
+    world: int | None = None                  # processes
+    replicas: int | None = None               # data-parallel replicas (world / stages under the pipeline)
+    accum: int | None = None                  # micro batches per optimizer step
+    precision: str | None = None              # the recipe's train.mixed_precision, checked against the launch files
+    tf32: bool = False                        # TF32 matmuls: train.tf32 on a GPU
+    packed_dropout: bool = False              # packed dropout masks (config.packed_dropout_here)
+    padded: bool = False                      # padded batches with an attention mask (config.padded_batches)
+    repeating_shapes: bool = False            # a fixed set of batch shapes (config.repeating_shapes): compile static
+
+    @property
+    def pin_memory(self) -> bool:
+        """Pinned host batches: worth it only when they are copied to a GPU."""
+        return bool(self.on_gpu)
+
+    # ------------------------------------------------------------ the backend vocabulary
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0)) if self.deepspeed else 0
+
+    @property
+    def pipeline(self) -> bool:
+        return self.deepspeed and "pipeline" in self.ds_config
+
+    @property
+    def kind(self) -> str:
+        """The engine family: ddp | fsdp | deepspeed | pipeline."""
+        if self.pipeline:
+            return "pipeline"
+        return "deepspeed" if self.deepspeed else "fsdp" if self.fsdp else "ddp"
+
+    @property
+    def offload(self) -> str:
+        """Where ZeRO offloads to: none | cpu | nvme (the farther of optimizer and parameters)."""
+        zero = self.ds_config.get("zero_optimization", {}) if self.deepspeed else {}
+        devices = {(zero.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+        return "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """The optimizer step runs on the host (ZeRO offload_optimizer to cpu or nvme)."""
+        zero = self.ds_config.get("zero_optimization", {}) if self.deepspeed and not self.pipeline else {}
+        return (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+
+    @property
+    def name(self) -> str:
+        """ddp | fsdp | zero0..3 with -offload (CPU) or -nvme | pipeline: the names of the Make
+        targets, the memory planner's rows and the logs."""
+        if self.kind != "deepspeed":
+            return self.kind
+        suffix = {"none": "", "cpu": "-offload", "nvme": "-nvme"}[self.offload]
+        return f"zero{self.zero_stage}{suffix}"
+
+    @property
+    def shards_params(self) -> bool:
+        """Does a rank hold only part of the weights? (ZeRO-3, FSDP, the pipeline's stages)"""
+        return self.kind in ("fsdp", "pipeline") or (self.kind == "deepspeed" and self.zero_stage == 3)
+
+
+def read_launch_plan(env=os.environ) -> LaunchPlan:
+    plan = LaunchPlan(deepspeed=_true(env.get("ACCELERATE_USE_DEEPSPEED")), fsdp=_true(env.get("ACCELERATE_USE_FSDP")),
+                      cpu=_true(env.get("ACCELERATE_USE_CPU")), mixed_precision=env.get("ACCELERATE_MIXED_PRECISION"),
+                      grad_accum_env=env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+                      grad_clip_env=env.get("ACCELERATE_GRADIENT_CLIPPING"),
+                      ds_config_path=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
+    if plan.deepspeed and plan.ds_config_path:
+        path = Path(plan.ds_config_path)
+        if not path.exists() and not path.is_absolute() and (REPO / path).exists():
+            path = REPO / path   # a repository-relative path in a YAML, read from another directory
+        if not path.exists():
+            raise ConfigError(f"DeepSpeed config not found: {path} (from the accelerate config's deepspeed_config_file)")
+        try:
+            plan.ds_config = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
+        if not isinstance(plan.ds_config, dict):
+            raise ConfigError(f"DeepSpeed config {path} is not a JSON object")
+    return plan
+
+
+def launch_plan_here(env=os.environ) -> LaunchPlan:
+    """The plan of a launched rank (or of a launch about to start here, `env` being its environment),
+    with the device decided once (decide_on_gpu). Engines, the loop and the checks read plan.on_gpu and
+    never decide again."""
+    plan = read_launch_plan(env)
+    plan.on_gpu = decide_on_gpu(plan, env)
+    return plan
+
+
+def plan_from_config_file(path: str | Path) -> LaunchPlan:
+    """The LaunchPlan an accelerate YAML would give a launched script (the same environment
+    variables `accelerate launch` sets from it), for tools that plan without launching."""
+    import yaml
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"accelerate config {path}: {err.strerror}; pass an existing file "
+                          "(see accelerate_configs/)") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"accelerate config {path} is not valid YAML: {yaml_problem(err)}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"accelerate config {path} is not a mapping of settings (see accelerate_configs/)")
+    kind = str(config.get("distributed_type", "NO")).upper()
+    ds = config.get("deepspeed_config") or {}
+    env = {"ACCELERATE_USE_DEEPSPEED": str(kind == "DEEPSPEED"), "ACCELERATE_USE_FSDP": str(kind == "FSDP"),
+           "ACCELERATE_USE_CPU": str(config.get("use_cpu", False))}
+    if config.get("mixed_precision") is not None:
+        env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"]).lower().replace("false", "no")
+    for key, var in (("deepspeed_config_file", "ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+                     ("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+                     ("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING")):
+        if kind == "DEEPSPEED" and ds.get(key) is not None:
+            env[var] = str(ds[key])
+    plan = read_launch_plan(env)
+    plan.num_processes = int(config.get("num_processes", 1))
+    plan.num_machines = int(config.get("num_machines", 1))
+    return plan
+
+
+def pipeline_replicas(plan: LaunchPlan, world_size: int) -> int:
+    """Data-parallel replicas: the world size, or world / stages under the pipeline engine (whose
+    `stages` consecutive ranks form one pipeline)."""
+    if not plan.pipeline:
+        return world_size
+    stages = plan.ds_config.get("pipeline", {}).get("stages", 2)
+    if not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"pipeline.stages must be a positive integer, got {stages!r}")
+    if world_size % stages:
+        raise ConfigError(f"{world_size} processes cannot form pipelines of {stages} stages (pipeline.stages in "
+                          f"{plan.ds_config_path}): the world size must be a multiple of the stage count")
+    return world_size // stages
+
+
+# ---------------------------------------------------------------------------- the device
+def decide_on_gpu(plan: LaunchPlan, env=os.environ, cuda_available: bool | None = None) -> bool:
+    """The one answer to "does this run train on CUDA GPUs?", asked once by launch_plan_here and kept
+    as plan.on_gpu, which is what everything reads: the process-group backend,
+    the fp16 and bf16 checks, the optimizer kernel, pinned memory and the GPU statistics: CUDA is
+    visible and the launch did not ask for CPU. DS_ACCELERATOR=cpu with GPUs visible is refused:
+    Accelerate would still pick NCCL and CUDA devices and DeepSpeed would send CPU tensors over NCCL
+    (the CPU launch rule hides the GPUs: make <mode> CPU=1 sets CUDA_VISIBLE_DEVICES=)."""
+    if cuda_available is None:
+        cuda_available = nvidia_device_present() and _torch_sees_cuda()
+    cuda = cuda_available
+    if env.get("DS_ACCELERATOR") == "cpu" and cuda:
+        raise ConfigError("DS_ACCELERATOR=cpu asks DeepSpeed for a CPU run but CUDA GPUs are visible, so Accelerate "
+                          "would use NCCL and CUDA devices; hide them (CUDA_VISIBLE_DEVICES=, as make <mode> CPU=1 "
+                          "does) or unset DS_ACCELERATOR to train on the GPUs")
+    return cuda and not plan.cpu
+
+
+def nvidia_device_present() -> bool:
+    """An NVIDIA GPU could be here: a /dev/nvidia<N> device (Linux, containers), WSL's /dev/dxg, or nvidia-smi.
+    Without any of them CUDA sees no GPU, and the answer needs no torch (about 1.5 s to import)."""
+    import shutil
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/dxg").exists() or shutil.which("nvidia-smi") is not None
+
+
+def _torch_sees_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def bf16_supported(capability: tuple[int, int] | None) -> bool:
+    """Native bf16 needs compute capability 8.0 (Ampere) or newer. torch.cuda.is_bf16_supported()
+    also says yes on V100/T4, where bf16 is emulated and slow."""
+    return capability is not None and tuple(capability) >= (8, 0)
+
+
+def local_capability() -> tuple[int, int]:
+    """This rank's GPU (LOCAL_RANK), read before any device is set, without touching GPU 0."""
+    import torch
+    return torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+# ---------------------------------------------------------------------------- the backend matrix
+@dataclass(frozen=True)
+class BackendRow:
+    """One row of accelerate_configs/backends.tsv: a Make target and how it launches."""
+    name: str
+    config: str          # the accelerate YAML on GPUs
+    cpu_yaml: str | None  # the accelerate YAML on CPU processes; None: a GPU-only row
+    cpu_env: str         # VAR=value the CPU launch needs (the Makefile prefixes the same)
+
+    @property
+    def gpu_only(self) -> bool:
+        """The table's `gpu-only`: no CPU launch runs this backend (FSDP: Accelerate would run DDP)."""
+        return self.cpu_yaml is None
+
+    @property
+    def cpu_config(self) -> str:
+        if self.cpu_yaml is None:
+            raise ConfigError(f"{self.name} runs on GPUs only (accelerate_configs/backends.tsv): on CPU processes use "
+                              "ddp, or zero3 for sharded parameters")
+        return self.cpu_yaml
+
+    @property
+    def plan(self) -> LaunchPlan:
+        return plan_from_config_file(REPO / self.config)
+
+    def cpu_launch_env(self, env: dict) -> dict:
+        """`env` with this row's CPU launch variables. DeepSpeed on CPU needs DS_ACCELERATOR=cpu and
+        must NOT see ACCELERATE_USE_CPU (Accelerate would silently run plain DDP instead)."""
+        self.cpu_config   # a GPU-only row has no CPU launch: ConfigError
+        assignments = dict(item.split("=", 1) for item in self.cpu_env.split())
+        deepspeed = assignments.get("DS_ACCELERATOR") == "cpu"
+        out = {k: v for k, v in env.items() if not (deepspeed and k == "ACCELERATE_USE_CPU")}
+        return {**out, **assignments}
+
+
+def backend_rows() -> dict[str, BackendRow]:
+    """The backend matrix, read by the Makefile, tools/ and the tests alike."""
+    rows = {}
+    for line in BACKENDS_TSV.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, config, cpu_config, cpu_env = line.split("\t")
+            cpu_yaml = None if cpu_config == "gpu-only" else config if cpu_config == "-" else cpu_config
+            rows[name] = BackendRow(name, config, cpu_yaml, "" if cpu_env == "-" else cpu_env)
+    return rows

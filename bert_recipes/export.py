@@ -1,0 +1,96 @@
+"""The Hugging Face export every engine writes: config.json, fp32 model.safetensors (full weights, gathered
+where the backend shards them), the tokenizer, the recipe and a model card; loadable with plain
+from_pretrained."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def full_state_dict(accelerator, model) -> dict:
+    """The full, consolidated fp32 weights on the main process. Every rank must call this: under
+    sharded backends (ZeRO-3, FSDP) it is a collective that gathers the shards."""
+    if accelerator.state.deepspeed_plugin is not None:
+        from .backends.deepspeed import fp32_state_dict
+        state_dict = fp32_state_dict(accelerator, accelerator.unwrap_model(model, keep_torch_compile=False))
+    else:
+        state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:   # train.compile: the compiled wrapper prefixes every key with _orig_mod.
+        state_dict = {k.removeprefix("_orig_mod."): v.float() if v.is_floating_point() else v
+                      for k, v in state_dict.items()}
+    return state_dict
+
+
+def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml: str, card: str) -> Path:
+    """Hugging Face format (config.json + fp32 model.safetensors + tokenizer + recipe + model
+    card README.md), loadable with plain from_pretrained."""
+    out = Path(out_dir)
+    state_dict = full_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        write_export(accelerator.unwrap_model(model, keep_torch_compile=False), out, tokenizer, config_yaml, card,
+                     state_dict, save_function=accelerator.save)
+    accelerator.wait_for_everyone()
+    return out
+
+
+def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state_dict: dict | None = None,
+                 save_function=torch.save) -> Path:
+    """Rank 0's half of every engine's export: config.json and fp32 model.safetensors (from
+    `state_dict`, full weights, when the model's own are shards), the tokenizer, the recipe and the
+    model card. Tied weights are written once, under the name from_pretrained ties back."""
+    out.mkdir(parents=True, exist_ok=True)
+    tied = getattr(model, "_tied_weights_keys", None)
+    if state_dict is not None and isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", True):
+        for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
+            state_dict.pop(key, None)
+    model.config.torch_dtype = "float32"
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True, save_function=save_function)
+    tokenizer.save_pretrained(out)
+    (out / "recipe.yaml").write_text(config_yaml)
+    (out / "README.md").write_text(card)
+    return out
+
+
+def model_card(cfg, final: dict, backend: dict, tokens_seen: int) -> str:
+    """README.md of an export: what it is, what it was trained on and how, and how well it did."""
+    d, t = cfg.data, cfg.train
+    base = cfg.model.name_or_path or "none: trained from scratch (randomly initialised)"
+    data = {"sample": "the embedded sample (Python standard-library documentation)",
+            "hub": f"{d.dataset_name}" + (f" / {d.dataset_config}" if d.dataset_config else ""),
+            "files": ", ".join(d.train_files or [])}[d.source] if d.source in ("sample", "hub", "files") else d.source
+    skip = {"eval_samples", "steps", "first_train_loss", "last_train_loss", "wall_time_s", "num_processes",
+            "eval_dataset_size", "backend", "rank_checksums", "peak_memory_gb_per_rank", "distributed_type",
+            "predicted_peak_memory_gb", "skipped_steps"}
+    metrics = "\n".join(f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |"
+                         for k, v in final.items() if k not in skip and isinstance(v, (int, float)))
+    task = ("masked-language-model pretraining" if cfg.task.kind == "mlm" else
+            "regression" if cfg.task.num_labels == 1 else f"sequence classification, {cfg.task.num_labels} labels")
+    return f"""---
+library_name: transformers
+tags: [bert, bert-recipes, {"fill-mask" if cfg.task.kind == "mlm" else "text-classification"}]
+---
+# {cfg.run.name}
+
+A BERT model trained with bert-recipes' `train.py`; `recipe.yaml` beside this card holds every setting of the
+run, resolved.
+
+| | |
+|---|---|
+| task | {task} |
+| base model | {base} |
+| data | {data}; train split `{d.train_split}`, evaluated on `{d.eval_split}`; sequences of {d.max_seq_length} tokens |
+| steps | {final.get("steps")} optimizer steps of {t.global_batch_size} sequences |
+| tokens seen | {tokens_seen:,} (non-padding tokens fed to the model) |
+| backend | {backend.get("name")} on {final.get("num_processes")} processes ({backend.get("distributed_type")}) |
+| precision | {t.mixed_precision} (the weights here are fp32) |
+| optimizer | {cfg.optim.name if hasattr(cfg.optim, "name") else "adamw"}, peak lr {cfg.optim.lr}, {cfg.optim.decay} decay |
+
+## Final evaluation
+
+| metric | value |
+|---|---|
+{metrics}
+
+Load it with `AutoModel.from_pretrained("<this directory>")` (and `AutoTokenizer`, whose files are here too).
+"""

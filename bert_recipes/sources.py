@@ -1,0 +1,243 @@
+"""Where a run's text and tokenizer come from: the embedded sample, the Hub or local files (always through
+`datasets`), a tokenizer loaded or trained once on rank 0, and prepared data (`make prepare`: tokenized and
+packed once, memory-mapped by every rank, checked against the recipe). The checks the preflight makes of
+data files and prepared directories are here too. No torch at import time."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig, first_line
+from .rank0 import on_rank0
+from .tokenizing import TOKENIZE_VERSION
+
+
+_FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
+                  ".csv": "csv", ".parquet": "parquet"}
+
+
+def check_data_files(data: DataConfig) -> dict[str, list[str]]:
+    """data.source=files: every file exists and has bytes. -> {'train': [...], 'validation': [...]}"""
+    files = {"train": list(data.train_files or [])}
+    if data.validation_files:
+        files["validation"] = list(data.validation_files)
+    for key, paths in (("data.train_files", files["train"]), ("data.validation_files", files.get("validation", []))):
+        for f in paths:
+            if not Path(f).is_file():
+                raise ConfigError(f"{key}: data file not found: {f}")
+            if Path(f).stat().st_size == 0:
+                raise ConfigError(f"{key}: {f} is empty; give a file with rows")
+    return files
+
+
+def _builder_for(files: list[str]) -> str:
+    kinds = {_FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ConfigError(f"data files {files}: use one of the formats {sorted(_FILE_BUILDERS)} (all the same)")
+    return kinds.pop()
+
+
+def load_raw(data: DataConfig, task: TaskConfig, seed: int):
+    """-> DatasetDict of raw rows: 'train', 'eval', and 'eval:<split>' / 'test:<split>' for
+    data.extra_eval_splits / data.test_splits."""
+    from datasets import DatasetDict, load_dataset
+
+    if data.source == "sample":
+        from .sample import build_sample
+        build_sample(data.sample_dir)   # idempotent; call under main_process_first
+        root = Path(data.sample_dir)
+        if task.kind == "mlm":
+            files = {"train": str(root / "pretrain/train.txt"), "validation": str(root / "pretrain/validation.txt")}
+            raw = load_dataset("text", data_files=files, cache_dir=data.cache_dir)
+        else:
+            files = {s: str(root / f"classify/{s}.jsonl") for s in ("train", "validation", "test")}
+            raw = load_dataset("json", data_files=files, cache_dir=data.cache_dir)
+    elif data.source == "hub":
+        raw = load_dataset(data.dataset_name, data.dataset_config, cache_dir=data.cache_dir)
+    else:
+        files = check_data_files(data)
+        try:
+            raw = load_dataset(_builder_for(sum(files.values(), [])), data_files=files, cache_dir=data.cache_dir)
+        except Exception as err:   # pyarrow / pandas parse errors, a header without rows, files that disagree
+            cause = err
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            raise ConfigError(f"data files {sum(files.values(), [])} cannot be read as "
+                              f"{_builder_for(sum(files.values(), []))} ({type(cause).__name__}: {first_line(cause)}); "
+                              "all files need the same columns and at least one row") from None
+
+    if data.train_split not in raw:
+        raise ConfigError(f"data.train_split='{data.train_split}' not in the dataset's splits {list(raw)}")
+    train = raw[data.train_split]
+    if data.eval_split in raw:
+        evaluation = raw[data.eval_split]
+    elif set(raw) - {data.train_split}:
+        raise ConfigError(f"data.eval_split='{data.eval_split}' not in the dataset's splits {list(raw)}")
+    else:   # train is the only split: hold out a seeded share of it
+        held = train.train_test_split(test_size=data.validation_split_percentage / 100, seed=seed)
+        train, evaluation = held["train"], held["test"]
+    for name, split in (("training", train), ("evaluation", evaluation)):
+        if len(split) == 0:
+            raise ConfigError(f"the {name} split has no rows (data.source={data.source}); check the files or split names")
+    if data.max_train_samples is not None:
+        train = train.select(range(min(data.max_train_samples, len(train))))
+    if data.max_eval_samples is not None:
+        evaluation = evaluation.select(range(min(data.max_eval_samples, len(evaluation))))
+
+    columns = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
+    if task.kind == "classification":
+        columns.append(data.label_column)
+    for col in columns:
+        if col not in train.column_names:
+            raise ConfigError(f"column '{col}' not in the training data (columns: {train.column_names}); "
+                              f"set data.text_column / data.text_pair_column / data.label_column")
+    out = {"train": train, "eval": evaluation}
+    for kind, key, names in (("eval", "extra_eval_splits", data.extra_eval_splits), ("test", "test_splits", data.test_splits)):
+        for name in names or []:
+            if name not in raw:
+                raise ConfigError(f"data.{key}: '{name}' is not a split of the dataset (splits: {list(raw)})")
+            split = raw[name]
+            if kind == "eval" and data.max_eval_samples is not None:
+                split = split.select(range(min(data.max_eval_samples, len(split))))
+            out[f"{kind}:{name}"] = split
+    return DatasetDict(out)
+
+
+def texts(dataset, data: DataConfig, batch_size: int = 1000):
+    """Iterate batches of non-empty strings from the text (and pair) columns."""
+    cols = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
+    for start in range(0, len(dataset), batch_size):
+        rows = dataset[start:start + batch_size]
+        yield [t for c in cols for t in rows[c] if t and t.strip()]
+
+
+# ---------------------------------------------------------------------------- tokenizer
+def train_wordpiece(batches, vocab_size: int, lowercase: bool):
+    """A BERT WordPiece tokenizer trained with the `tokenizers` library.
+
+    Not bit-reproducible: the trainer breaks ties between equally frequent merges in hash
+    order, so two trainings on the same text can differ slightly. The trained tokenizer is
+    saved with the run (and every export), which is what makes a run reproducible."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=lowercase)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2)
+    tok.train_from_iterator(batches, trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    return BertTokenizerFast(tokenizer_object=tok, do_lower_case=lowercase, unk_token="[UNK]", sep_token="[SEP]",
+                             pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
+
+
+def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, train_raw, data: DataConfig,
+                  save_dir: Path, is_main: bool, broadcast=lambda obj: obj):
+    """Load the configured tokenizer, or train one (on rank 0, once). A tokenizer already in save_dir
+    (a resumed run) is reused, so resumes tokenize identically. A trained tokenizer reaches the other
+    ranks as rank 0's files over `broadcast`, so nodes need not share a disk for it."""
+    from transformers import AutoTokenizer
+
+    name = tok_cfg.name_or_path or model_name_or_path
+    if name:
+        try:
+            return AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as err:
+            key = "tokenizer.name_or_path" if tok_cfg.name_or_path else "model.name_or_path"
+            raise ConfigError(f"{key}={name}: cannot load a tokenizer from it ({first_line(err)}); give a directory with "
+                              "tokenizer files (an export's model/ has them) or a Hub name") from None
+    # Only rank 0 looks at the disk and decides. A trained tokenizer goes to a cache keyed by the
+    # training data, outside output_dir: the run copies it in once it starts writing, so a run
+    # refused later (too little data, a bad setting) leaves its output_dir untouched.
+    def rank0_files():
+        source = save_dir if (save_dir / "tokenizer.json").exists() else _trained_tokenizer_dir(train_raw, data, tok_cfg)
+        if not (source / "tokenizer.json").exists():
+            tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
+            tmp = source.with_name(source.name + f".tmp{os.getpid()}")
+            tokenizer.save_pretrained(tmp)
+            try:
+                os.replace(tmp, source)
+            except OSError:   # another run trained the same one meanwhile: keep theirs
+                shutil.rmtree(tmp, ignore_errors=True)
+        return {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    files = on_rank0(is_main, broadcast, rank0_files)   # every rank: rank 0's tokenizer files
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, content in files.items():
+            (Path(tmp) / name).write_bytes(content)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def _trained_tokenizer_dir(train_raw, data: DataConfig, tok_cfg: TokenizerConfig) -> Path:
+    import datasets
+    key = json.dumps([train_raw._fingerprint, data.text_column, data.text_pair_column, tok_cfg.vocab_size,
+                      tok_cfg.lowercase, TOKENIZE_VERSION])
+    root = Path(data.cache_dir) if data.cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
+    return root / "bert_recipes_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+# ---------------------------------------------------------------------------- prepared data (make prepare)
+PREPARED_META = "prepared.json"
+
+
+def tokenizer_identity(name: str | None) -> str | None:
+    """A tokenizer as prepared data records it: a Hub name as it is; a local directory by the content of
+    its files (sha256:...), so the data stays usable where the directory sits elsewhere (another
+    node's mount, the GPU machine, a moved checkout)."""
+    if not name or not Path(name).expanduser().is_dir():
+        return name
+    digest = hashlib.sha256()
+    for path in sorted(Path(name).expanduser().iterdir()):
+        if path.is_file() and (path.name.startswith(("tokenizer", "vocab", "merges", "special_tokens"))):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+def prepared_signature(cfg) -> dict:
+    """The settings that decide a run's tokens: prepared data is used only by a recipe that agrees."""
+    d, t = cfg.data, cfg.task
+    return {"task.kind": t.kind, "task.num_labels": t.num_labels if t.kind == "classification" else None,
+            "task.label_names": t.label_names,
+            "tokenizer": tokenizer_identity(cfg.tokenizer.name_or_path or cfg.model.name_or_path),
+            "tokenizer.vocab_size": cfg.tokenizer.vocab_size if not (cfg.tokenizer.name_or_path or cfg.model.name_or_path)
+            else None,
+            **{f"data.{k}": getattr(d, k) for k in (
+                "max_seq_length", "packing", "text_column", "text_pair_column", "label_column", "train_split", "eval_split",
+                "extra_eval_splits", "test_splits", "max_train_samples", "max_eval_samples",
+                "validation_split_percentage")}}
+
+
+def check_prepared_dir(data: DataConfig) -> Path:
+    root = Path(data.prepared_dir)
+    if not (root / PREPARED_META).is_file():
+        raise ConfigError(f"data.prepared_dir={root} holds no prepared data ({PREPARED_META} missing): write it with "
+                          "make prepare RECIPE=<this recipe> (tools/prepare.py)")
+    return root
+
+
+def load_prepared(cfg):
+    """-> (tokenizer, memory-mapped splits, test_index) from data.prepared_dir, checked against the recipe."""
+    from datasets import DatasetDict
+    from transformers import AutoTokenizer
+    root = check_prepared_dir(cfg.data)
+    meta = json.loads((root / PREPARED_META).read_text())
+    expected = prepared_signature(cfg)
+    given = cfg.tokenizer.name_or_path or cfg.model.name_or_path   # data prepared before tokenizer_identity: a path
+    differ = [f"{k}: prepared {meta['signature'].get(k)!r}, this run {v!r}" for k, v in expected.items()
+              if k != "data.source" and meta["signature"].get(k) != v
+              and not (k == "tokenizer" and meta["signature"].get(k) == given)]
+    if differ:
+        raise ConfigError(f"data.prepared_dir={root} was prepared with other settings ({'; '.join(differ)}): prepare "
+                          "it again with this recipe")
+    if cfg.task.label_names is None and meta.get("label_names"):   # text labels, named when prepared
+        cfg.task.label_names = meta["label_names"]
+    data = DatasetDict.load_from_disk(str(root / "data"))
+    return AutoTokenizer.from_pretrained(str(root / "tokenizer")), data, meta["test_index"]
