@@ -17,6 +17,12 @@ sys.path.insert(0, str(REPO))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# One intra-op thread for torch in this process and every one it starts (the launches already ran their
+# ranks so): tiny models gain nothing from a second thread, and a second thread made every op wait for
+# whichever core DeepSpeed's background op build held (tests/build_ds_ops.py). Measured 2026-12-01: the GPU
+# session's rehearsal took 289 s with the build running and torch's 2 threads, 186 s with 1 (117 s without
+# the build); its timed training steps were 20x slower in the first case.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Under `make test` the suite inherits the outer make's level and flags, and every `make -n` a test runs
 # would then print "make[1]: Entering/Leaving directory" lines around its commands (this failed CI).
 for _var in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):
@@ -75,7 +81,7 @@ def shared_tokenizer() -> Path:
     under tests/data/: the tokenizers library's trainer breaks ties in hash order, so two trainings on
     the same text differ (and the sample's text depends on the host's Python), which would re-draw every
     learning margin in the suite each session. Made once from the sample's first 1,200 lines with
-    bert_recipes.data.train_wordpiece(..., 1000, lowercase=True)."""
+    bert_recipes.sources.train_wordpiece(..., 1000, lowercase=True)."""
     return REPO / "tests" / "data" / "wordpiece-1000"
 
 
@@ -139,7 +145,7 @@ def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:
 
 def backend_rows():
     """The backend matrix: the same table the Makefile and tools/ read."""
-    from bert_recipes.backend import backend_rows as rows
+    from bert_recipes.backends.plan import backend_rows as rows
     return rows()
 
 
