@@ -66,8 +66,7 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
         kwargs_handlers=handlers,
         dynamo_plugin=dynamo_plugin(cfg.train, plan),   # train.compile: Accelerate compiles in prepare
     )
-    ds_rules.refuse_if_replaced(accelerator, plan)
-    fsdp_rules.refuse_if_replaced(accelerator, plan)
+    check_engaged(accelerator, plan)
     ds_rules.fill_deepspeed_autos(accelerator, cfg)
     accelerator.swap_dirs = ds_rules.private_swap_dirs(accelerator, output_dir)
     if accelerator.num_processes != world_size:
@@ -75,6 +74,16 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
                            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
                            "see docs/backends.md 'Launching on CPU' for launch commands that really distribute")
     return accelerator
+
+
+def check_engaged(accelerator, plan: LaunchPlan) -> None:
+    """Stop if the launcher asked for a backend that Accelerate silently replaced."""
+    from accelerate.utils import DistributedType
+    got = accelerator.distributed_type
+    for asked, wanted, message in ((plan.deepspeed, DistributedType.DEEPSPEED, ds_rules.REPLACED),
+                                   (plan.fsdp, DistributedType.FSDP, fsdp_rules.REPLACED)):
+        if asked and got != wanted:
+            raise ConfigError(message.format(got=got))
 
 
 def dynamo_plugin(train, plan: LaunchPlan):

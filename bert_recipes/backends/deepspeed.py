@@ -8,7 +8,7 @@ DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README
   (fill_deepspeed_autos);
 - NVMe offload: a private swap folder per run (private_swap_dirs), the gradient swap that goes wrong on
   CPU processes (check_nvme_gradient_swap), ZeRO-3's dtype slip (zero3_keeps_model_dtype);
-- what engaged (describe_deepspeed, refuse_if_replaced) and ZeRO-3's gathered weights (zero3_full_weights);
+- what engaged (describe_deepspeed; REPLACED, when Accelerate ran something else) and ZeRO-3's gathered weights (zero3_full_weights);
 - its step's result (deepspeed_step), its CPU Adam (cpu_adam), the fp32 master weights an export holds
   (fp32_state_dict), and the host waits its own step makes (DEEPSPEED_SYNCS, for perf.SyncAudit).
 
@@ -296,14 +296,9 @@ def zero3_full_weights(unwrapped):
         yield {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}
 
 
-def refuse_if_replaced(accelerator, plan: LaunchPlan) -> None:
-    """A DeepSpeed config that Accelerate ran as something else (ACCELERATE_USE_CPU=1 makes it DDP)."""
-    from accelerate.utils import DistributedType
-    got = accelerator.distributed_type
-    if plan.deepspeed and got != DistributedType.DEEPSPEED:
-        raise ConfigError(f"the accelerate config asks for DeepSpeed but Accelerate runs {got} "
-                           "(ACCELERATE_USE_CPU=1 turns a DeepSpeed config into plain DDP: on CPU set "
-                           "DS_ACCELERATOR=cpu instead)")
+# A DeepSpeed config that Accelerate ran as something else (accelerator.check_engaged says it).
+REPLACED = ("the accelerate config asks for DeepSpeed but Accelerate runs {got} (ACCELERATE_USE_CPU=1 turns a "
+            "DeepSpeed config into plain DDP: on CPU set DS_ACCELERATOR=cpu instead)")
 
 
 # ---------------------------------------------------------------------------- the step, the optimizer, the export

@@ -1,13 +1,10 @@
 """Everything FSDP-specific: FSDP runs on GPUs only (accelerate_configs/backends.tsv: on CPU processes
-Accelerate would run DDP under its name, refuse_if_replaced), FSDP2's DTensor shards and FSDP1's flat
+Accelerate would run DDP under its name: REPLACED), FSDP2's DTensor shards and FSDP1's flat
 parameters (what a rank holds, the full weights gathered). The recipe's own rule for FSDP (LAMB needs whole
 tensors) is in backends/consistency.py with ZeRO's."""
 from __future__ import annotations
 
 import contextlib
-
-from ..config import ConfigError
-from .plan import LaunchPlan
 
 
 def is_fsdp1(accelerator) -> bool:
@@ -15,14 +12,10 @@ def is_fsdp1(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version == 1
 
 
-def refuse_if_replaced(accelerator, plan: LaunchPlan) -> None:
-    """An FSDP config that Accelerate ran as something else (on CPU processes: plain DDP)."""
-    from accelerate.utils import DistributedType
-    got = accelerator.distributed_type
-    if plan.fsdp and got != DistributedType.FSDP:
-        raise ConfigError(f"the accelerate config asks for FSDP but Accelerate runs {got}: this run would be DDP "
-                           "under the name FSDP. Refusing. FSDP is a GPU-only row of accelerate_configs/backends.tsv: "
-                           "use a GPU machine, or a DDP/DeepSpeed config on CPU")
+# An FSDP config that Accelerate ran as something else (on CPU processes: plain DDP; accelerator.check_engaged).
+REPLACED = ("the accelerate config asks for FSDP but Accelerate runs {got}: this run would be DDP under the name "
+            "FSDP. Refusing. FSDP is a GPU-only row of accelerate_configs/backends.tsv: use a GPU machine, or a "
+            "DDP/DeepSpeed config on CPU")
 
 
 def dtensor_numel(p) -> int | None:
