@@ -9,7 +9,12 @@ import os
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from deepspeed.accelerator import get_accelerator   # noqa: E402
+
+from bert_recipes.backends.deepspeed import ask_cpuinfo_once   # noqa: E402
+
+ask_cpuinfo_once()   # as a run's ranks do: py-cpuinfo asked once, not once per op
 
 for name in ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder"):
     builder = get_accelerator().create_op_builder(name)

@@ -54,6 +54,8 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
     handlers = [] if world_size == 1 else [InitProcessGroupKwargs(
         backend=None if on_gpu else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
     check_trackers(cfg.logging.trackers)   # opened by the engine (logs.Trackers), the same on every backend
+    if plan.deepspeed:
+        ds_rules.ask_cpuinfo_once()
     accelerator = Accelerator(
         mixed_precision=plan.precision,
         # Every optimizer step takes exactly `accum` micro batches (train.py's loop), so the

@@ -17,6 +17,7 @@ No torch or deepspeed at import time: the consistency checks (preflight, make me
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -25,6 +26,20 @@ from .plan import LaunchPlan
 
 DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ("lamb",)}
 DS_SCHEDULES = {"linear": "WarmupDecayLR", "constant": "WarmupLR", "cosine": "WarmupCosineLR"}
+
+
+def ask_cpuinfo_once() -> None:
+    """DeepSpeed 0.19.8's op builders ask py-cpuinfo for the CPU's architecture and SIMD width each time an
+    op is loaded (op_builder/builder.py: cpu_arch and simd_width, both calling cpuinfo.get_cpu_info), and
+    py-cpuinfo answers every call from a new Python process: about 1.1 s of a rank's start each, 2 to 4
+    calls per rank under CPU offload or NVMe (counted in the suite on 2026-12-01: 42 such processes). The
+    answer cannot change while a process runs: it is asked once per process."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.lru_cache(maxsize=1)(cpuinfo.get_cpu_info)
 
 
 def _set(value) -> bool:
