@@ -105,6 +105,9 @@ def check_resume_path(resume: str | None) -> Path | None:
     if resume in (None, "auto"):
         return None
     path = Path(resume)
+    if path.is_file():
+        raise ConfigError(f"checkpoint.resume={resume} is a file, not a checkpoint directory: use --resume auto or a "
+                          "step_XXXXXXXX directory under <output_dir>/checkpoints")
     if not (path / STATE_FILE).exists():
         raise ConfigError(f"checkpoint.resume={resume}: not a complete checkpoint (no {STATE_FILE}); "
                           f"use --resume auto or a step_XXXXXXXX directory under <output_dir>/checkpoints")

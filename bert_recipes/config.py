@@ -332,7 +332,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        kinds = [f"one of {list(typing.get_args(a))}" if typing.get_origin(a) is Literal else getattr(a, "__name__", str(a))
+                 for a in args if a is not type(None)] + (["null"] if type(None) in args else [])
+        raise ConfigError(f"{key}: expected {' or '.join(kinds)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if isinstance(value, bool) and ("no" if value is False else "yes") in choices:
@@ -429,8 +433,12 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         path = Path(recipe)
         if not path.exists():
             raise ConfigError(f"recipe not found: {path}")
+        if path.is_dir():
+            raise ConfigError(f"recipe {path} is a directory: give a recipe's YAML file (e.g. recipes/tiny-mlm.yaml)")
         try:
             data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"recipe {path} cannot be read ({e.strerror}): give a readable YAML file") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {path} is not valid YAML: {yaml_problem(e)}") from None
         _merge(cfg, {} if data is None else data)
@@ -528,49 +536,123 @@ def schedule_warnings(cfg: Config, total_steps: int) -> list[str]:
                    "the only checkpoint is the final one")
     if t.halt_at_step is not None and t.halt_at_step >= total_steps:
         out.append(f"[warning] train.halt_at_step={t.halt_at_step} >= the run's {total_steps} steps: it never halts")
+    if t.eval_every is not None and t.eval_every >= total_steps:
+        then = "the only evaluation is the final one" if t.eval_final else "the run never evaluates (train.eval_final=false)"
+        out.append(f"[warning] train.eval_every={t.eval_every} >= the run's {total_steps} steps: {then}")
+    chosen = round(cfg.data.mlm_probability * cfg.data.max_seq_length)
+    k = cfg.data.max_predictions_per_seq if cfg.task.kind == "mlm" else None
+    if isinstance(k, int) and k > max(1, chosen):
+        out.append(f"[warning] data.max_predictions_per_seq={k}, but at most round(data.mlm_probability x "
+                   f"data.max_seq_length) = {max(1, chosen)} tokens of a sequence are chosen: {k - max(1, chosen)} of "
+                   f"its {k} slots are always empty (the head computes them for nothing); set it to {max(1, chosen)} or auto")
     return out
 
 
-# Ranges of single values: (section.key, test, what the value must be). None (unset) always passes.
+# The keys that name paths (and train.py's --recipe), and what the run does with each: bert_recipes.preflight
+# checks every one before a rank starts; the generated bad-input matrix tries a path of each wrong kind.
+# "read dir or hub": a local directory, or a Hub id where the value cannot be a path (preflight.looks_local).
+PATH_KEYS = {
+    "recipe": "read file",
+    "run.output_dir": "write dir",
+    "model.name_or_path": "read dir or hub",
+    "tokenizer.name_or_path": "read dir or hub",
+    "data.prepared_dir": "read dir",
+    "data.train_files": "read files",
+    "data.validation_files": "read files",
+    "data.cache_dir": "write dir",
+    "data.sample_dir": "write dir",
+    "checkpoint.resume": "read dir",
+}
+
+
+@dataclass(frozen=True)
+class Range:
+    """What a single value may be: at least `low` (more than it if open_low), at most `high` (less than it
+    if open_high); the texts in `also` (a Literal choice such as auto) and None (unset) always pass.
+    items: a list of exactly this many values, each in the range. The generated bad-input matrix
+    (tests/test_input_matrix.py) tries a value just outside every range."""
+    key: str
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    also: tuple[str, ...] = ()
+    hint: str = ""
+    items: int | None = None
+
+    def ok(self, value) -> bool:
+        if isinstance(value, str):
+            return value in self.also
+        if self.items is not None:
+            return len(value) == self.items and all(self._within(v) for v in value)
+        return self._within(value)
+
+    def _within(self, v) -> bool:
+        return ((self.low is None or (v > self.low if self.open_low else v >= self.low))
+                and (self.high is None or (v < self.high if self.open_high else v <= self.high)))
+
+    def must(self) -> str:
+        if self.high is None:
+            text = "positive" if (self.low == 0 and self.open_low) else f">= {_number(self.low)}"
+        else:
+            text = (f"in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
+                    f"{')' if self.open_high else ']'}")
+        if self.items is not None:
+            text = f"{self.items} values, each {text}"
+        text += "".join(f", or {choice}" for choice in self.also)
+        return f"{text} ({self.hint})" if self.hint else text
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+POSITIVE = {"low": 0, "open_low": True}
+# The ranges of single values; None (unset) always passes. A number-valued key with no range here is
+# listed, with the reason, in tests/test_input_matrix.py (NO_RANGE).
 _RANGES = [
-    ("train.global_batch_size", lambda v: v > 0, "positive"),
-    ("train.micro_batch_size", lambda v: v == "auto" or v > 0, "positive, or auto (GPUs)"),
-    ("train.eval_batch_size", lambda v: v > 0, "positive"),
-    ("train.max_steps", lambda v: v > 0, "positive"),
-    ("train.epochs", lambda v: v > 0, "positive"),
-    ("train.eval_every", lambda v: v > 0, "positive (steps)"),
-    ("train.halt_at_step", lambda v: v > 0, "positive (a step)"),
-    ("train.max_bad_steps", lambda v: v >= 1, ">= 1"),
-    ("train.collective_timeout_s", lambda v: v > 0, "positive (seconds)"),
-    ("optim.lr", lambda v: v > 0, "positive (e.g. 1e-4)"),
-    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
-    ("optim.eps", lambda v: v > 0, "positive (e.g. 1e-8)"),
-    ("optim.max_grad_norm", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
-    ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("optim.warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("optim.poly_power", lambda v: v > 0, "positive (e.g. 0.5 or 1)"),
-    ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), e.g. [0.9, 0.999]"),
-    ("data.mlm_probability", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.15"),
-    ("data.max_seq_length", lambda v: v >= 8, ">= 8 tokens"),
-    ("data.max_train_samples", lambda v: v > 0, "positive"),
-    ("data.max_predictions_per_seq", lambda v: v == "auto" or v > 0, "positive, or auto"),
-    ("data.max_eval_samples", lambda v: v > 0, "positive"),
-    ("data.validation_split_percentage", lambda v: 0 < v < 100, "in (0, 100)"),
-    ("data.num_workers", lambda v: v == "auto" or v >= 0, ">= 0, or auto"),
-    ("data.length_bins", lambda v: v == "auto" or 0 <= v <= 8, "in [0, 8], or auto"),
-    ("data.prepare_timeout_s", lambda v: v > 0, "positive (seconds)"),
-    ("model.hidden_size", lambda v: v > 0, "positive"),
-    ("model.num_hidden_layers", lambda v: v > 0, "positive"),
-    ("model.num_attention_heads", lambda v: v > 0, "positive"),
-    ("model.intermediate_size", lambda v: v > 0, "positive"),
-    ("model.hidden_dropout_prob", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("model.attention_probs_dropout_prob", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("task.num_labels", lambda v: v >= 1, ">= 1 (1 = regression)"),
-    ("tokenizer.vocab_size", lambda v: v >= 100, ">= 100"),
-    ("checkpoint.save_every", lambda v: v > 0, "positive (steps)"),
-    ("checkpoint.keep_last", lambda v: v >= 1, ">= 1"),
-    ("logging.log_every", lambda v: v > 0, "positive (steps)"),
+    Range("run.seed", low=0, high=2**32 - 1, hint="numpy's generator takes no other"),
+    Range("train.global_batch_size", **POSITIVE),
+    Range("train.micro_batch_size", **POSITIVE, also=("auto",), hint="auto: GPUs"),
+    Range("train.eval_batch_size", **POSITIVE),
+    Range("train.max_steps", **POSITIVE),
+    Range("train.epochs", **POSITIVE),
+    Range("train.eval_every", **POSITIVE, hint="steps"),
+    Range("train.halt_at_step", **POSITIVE, hint="a step"),
+    Range("train.max_bad_steps", low=1),
+    Range("train.collective_timeout_s", **POSITIVE, hint="seconds"),
+    Range("optim.lr", **POSITIVE, hint="e.g. 1e-4"),
+    Range("optim.weight_decay", low=0),
+    Range("optim.eps", **POSITIVE, hint="e.g. 1e-8"),
+    Range("optim.max_grad_norm", low=0, hint="0 disables clipping"),
+    Range("optim.warmup_steps", low=0),
+    Range("optim.warmup_ratio", low=0, high=1, open_high=True),
+    Range("optim.min_lr_ratio", low=0, high=1),
+    Range("optim.poly_power", **POSITIVE, hint="e.g. 0.5 or 1"),
+    Range("optim.betas", low=0, high=1, open_high=True, items=2, hint="e.g. [0.9, 0.999]"),
+    Range("data.mlm_probability", low=0, high=1, open_low=True, open_high=True, hint="e.g. 0.15"),
+    Range("data.max_seq_length", low=8, hint="tokens"),
+    Range("data.max_train_samples", **POSITIVE),
+    Range("data.max_predictions_per_seq", **POSITIVE, also=("auto",)),
+    Range("data.max_eval_samples", **POSITIVE),
+    Range("data.validation_split_percentage", low=0, high=100, open_low=True, open_high=True),
+    Range("data.num_proc", low=1, hint="processes"),
+    Range("data.num_workers", low=0, also=("auto",)),
+    Range("data.length_bins", low=0, high=8, also=("auto",)),
+    Range("data.prepare_timeout_s", **POSITIVE, hint="seconds"),
+    Range("model.hidden_size", **POSITIVE),
+    Range("model.num_hidden_layers", **POSITIVE),
+    Range("model.num_attention_heads", **POSITIVE),
+    Range("model.intermediate_size", **POSITIVE),
+    Range("model.max_position_embeddings", low=8, hint="positions, at least data.max_seq_length"),
+    Range("model.hidden_dropout_prob", low=0, high=1, open_high=True),
+    Range("model.attention_probs_dropout_prob", low=0, high=1, open_high=True),
+    Range("task.num_labels", low=1, hint="1 = regression"),
+    Range("tokenizer.vocab_size", low=100),
+    Range("checkpoint.save_every", **POSITIVE, hint="steps"),
+    Range("checkpoint.keep_last", low=1),
+    Range("logging.log_every", **POSITIVE, hint="steps"),
+    Range("logging.dataloader_warn_share", low=0, high=1),
 ]
 
 
@@ -620,11 +702,11 @@ def resolve(cfg: Config) -> list[str]:
 
 def validate(cfg: Config) -> None:
     """Checks that need no hardware knowledge; world-size checks happen in grad_accum_steps."""
-    for key, ok, must in _RANGES:
-        section, name = key.split(".")
+    for rule in _RANGES:
+        section, name = rule.key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value is not None and not ok(value):
-            raise ConfigError(f"{key}={value} is not allowed: it must be {must}")
+        if value is not None and not rule.ok(value):
+            raise ConfigError(f"{rule.key}={value} is not allowed: it must be {rule.must()}")
     t, d, m = cfg.train, cfg.data, cfg.model
     if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "

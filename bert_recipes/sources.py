@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -26,6 +27,8 @@ def check_data_files(data: DataConfig) -> dict[str, list[str]]:
         files["validation"] = list(data.validation_files)
     for key, paths in (("data.train_files", files["train"]), ("data.validation_files", files.get("validation", []))):
         for f in paths:
+            if Path(f).is_dir():
+                raise ConfigError(f"{key}: {f} is a directory, not a data file: list its files (e.g. [{f}/train.txt])")
             if not Path(f).is_file():
                 raise ConfigError(f"{key}: data file not found: {f}")
             if Path(f).stat().st_size == 0:
@@ -77,6 +80,13 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
     elif set(raw) - {data.train_split}:
         raise ConfigError(f"data.eval_split='{data.eval_split}' not in the dataset's splits {list(raw)}")
     else:   # train is the only split: hold out a seeded share of it
+        rows, percent = len(train), data.validation_split_percentage
+        held_out = math.ceil(rows * percent / 100)   # datasets' own rounding (test: ceil, train: the rest)
+        if rows - held_out < 1:
+            raise ConfigError(f"data.validation_split_percentage={percent} of the {rows} training rows holds out "
+                              f"{held_out} for evaluation and leaves {rows - held_out} to train on (at least 1 of "
+                              "each is needed): give more rows, or an evaluation split of its own "
+                              "(data.validation_files, data.eval_split)")
         held = train.train_test_split(test_size=data.validation_split_percentage / 100, seed=seed)
         train, evaluation = held["train"], held["test"]
     for name, split in (("training", train), ("evaluation", evaluation)):
@@ -217,6 +227,8 @@ def prepared_signature(cfg) -> dict:
 
 def check_prepared_dir(data: DataConfig) -> Path:
     root = Path(data.prepared_dir)
+    if root.is_file():
+        raise ConfigError(f"data.prepared_dir={root} is a file, not a directory: give the directory make prepare wrote")
     if not (root / PREPARED_META).is_file():
         raise ConfigError(f"data.prepared_dir={root} holds no prepared data ({PREPARED_META} missing): write it with "
                           "make prepare RECIPE=<this recipe> (tools/prepare.py)")

@@ -131,6 +131,24 @@ def label_mapping(raw, task: TaskConfig, data: DataConfig, label_names: list[str
     return None
 
 
+def missing_classes(raw, task: TaskConfig, data: DataConfig, mapping: dict | None) -> list[str]:
+    """A training or evaluation split without a single row of one of the task's classes is legal (a small
+    evaluation split often is), and the run goes on: -> one [warning] line per such split, naming the classes."""
+    if task.num_labels == 1:
+        return []
+    out = []
+    for split, name in (("train", "training"), ("eval", "evaluation")):
+        values = raw[split][data.label_column]
+        seen = {mapping[v] for v in values} if mapping else {int(float(v)) for v in values}
+        missing = [i for i in range(task.num_labels) if i not in seen]
+        if missing:
+            shown = ", ".join(f"{i} ({task.label_names[i]})" if task.label_names else str(i) for i in missing[:8])
+            what = "the model never learns them" if split == "train" else "their per-class scores are not measured"
+            out.append(f"[warning] the {name} split ({len(values)} rows) has no row of class {shown} of "
+                       f"task.num_labels={task.num_labels}: {what}; the run goes on")
+    return out
+
+
 def _is_number(value) -> bool:
     try:
         float(value)

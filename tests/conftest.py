@@ -143,6 +143,35 @@ def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:
         GradientState._reset_state()
 
 
+def snapshot(path: Path) -> dict | None:
+    """{file: (size, mtime)} under path (None if it does not exist): "nothing written" is an equal snapshot."""
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+
+
+def refused_in_process(argv: list[str], watched: Path, capsys) -> str:
+    """Run train.py's command line (train.run_cli, what `python train.py` calls) in this process and hold it
+    to the rules for a user's mistake: exit code 2, exactly one `config error:` line, no traceback, nothing
+    created or changed under `watched`. -> that line."""
+    import train
+    from accelerate.state import AcceleratorState, GradientState
+    before = snapshot(watched)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        code = train.run_cli(argv)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("config error:")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert snapshot(watched) == before, "the output directory changed"
+    return lines[0]
+
+
 def backend_rows():
     """The backend matrix: the same table the Makefile and tools/ read."""
     from bert_recipes.backends.plan import backend_rows as rows

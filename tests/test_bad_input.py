@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, launch_script, run_in_process, tiny_args
+from conftest import REPO, launch_script, refused_in_process, run_in_process, tiny_args
 
 
 @dataclass
@@ -128,6 +128,9 @@ CASES = [
      "task.label_names[0]: YAML read this text as the boolean False; quote it"),
     ("fewer examples than one global batch", lambda c, m: c.args("classification", **{"data.max_train_samples": 4}),
      "cannot fill one optimizer step"),
+    ("a held-out share that leaves nothing to train on",
+     lambda c, m: c.args(**{"data.source": "files", "data.train_files": "[" + str(c.file("one.txt", "one line\n")) + "]"}),
+     "data.validation_split_percentage=5 of the 1 training rows holds out 1 for evaluation and leaves 0 to train on"),
     # ---- models, checkpoints, output directories
     ("missing model directory", lambda c, m: c.args("classification", **{"model.name_or_path": "/no/such/model",
                                                                            "tokenizer.name_or_path": "null"}),
@@ -179,33 +182,12 @@ CASES = [
 ]
 
 
-def snapshot(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
-
-
 @pytest.mark.parametrize("name, build, expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_with_one_line(name, build, expected, prepared, tmp_path, sample_dir, datasets_cache,
                                             shared_tokenizer, capsys, monkeypatch):
-    import train
-    from accelerate.state import AcceleratorState, GradientState
     c = Ctx(tmp_path, tmp_path / "out", sample_dir, datasets_cache, shared_tokenizer, *prepared)
     argv = build(c, monkeypatch)
-    before = snapshot(c.out)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        code = train.run_cli(argv)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("config error:")]
-    assert code == 2, err[-3000:]
-    assert len(lines) == 1 and expected in lines[0], err[-3000:]
-    assert "Traceback" not in err
-    assert snapshot(c.out) == before, "the output directory changed"
+    assert expected in refused_in_process(argv, c.out, capsys)
 
 
 def test_the_matrix_is_large():
@@ -247,11 +229,37 @@ def test_make_refuses_a_missing_or_broken_accelerate_config(text, expected, tmp_
 
 
 def test_suspicious_settings_warn_once_and_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
+    """The one rule for a value that is legal but cannot mean what it says: it is kept, and one [warning]
+    line says what happens instead (docs/troubleshooting.md)."""
     metrics = run_in_process(tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
-        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 4, "optim.warmup_steps": 10}))
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 4, "optim.warmup_steps": 10,
+        "train.eval_every": 6, "checkpoint.save_every": 5, "data.max_predictions_per_seq": 40}))
     out = capsys.readouterr().out
     assert metrics["steps"] == 4
-    assert out.count("[warning] the warmup (10 steps) is not shorter than the run (4 steps)") == 1
+    for line in ("[warning] the warmup (10 steps) is not shorter than the run (4 steps)",
+                 "[warning] checkpoint.save_every=5 >= the run's 4 steps: the only checkpoint is the final one",
+                 "[warning] train.eval_every=6 >= the run's 4 steps: the only evaluation is the final one",
+                 "[warning] data.max_predictions_per_seq=40, but at most round(data.mlm_probability x "
+                 "data.max_seq_length) = 5 tokens of a sequence are chosen: 35 of its 40 slots are always empty"):
+        assert out.count(line) == 1, out
+
+
+def test_a_split_without_a_class_is_said_and_the_run_goes_on(tmp_path, sample_dir, datasets_cache, shared_tokenizer,
+                                                            capsys):
+    """A classification split lacking one of the task's classes is legal (small evaluation splits often do)."""
+    train = tmp_path / "train.csv"
+    train.write_text("text,label\n" + "".join(f"sentence number {i},{i % 2}\n" for i in range(64)))
+    valid = tmp_path / "valid.csv"
+    valid.write_text("text,label\nonly the first class,0\nagain the first,0\n")
+    metrics = run_in_process(tiny_args(tmp_path / "run", sample_dir, datasets_cache, task="classification", **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 2, "task.num_labels": 3,
+        "task.label_names": "[neg, pos, odd]", "data.source": "files", "data.train_files": f"[{train}]",
+        "data.validation_files": f"[{valid}]"}))
+    out = capsys.readouterr().out
+    assert metrics["steps"] == 2
+    assert out.count("[warning] the training split (64 rows) has no row of class 2 (odd) of task.num_labels=3: "
+                     "the model never learns them") == 1, out
+    assert out.count("[warning] the evaluation split (2 rows) has no row of class 1 (pos), 2 (odd)") == 1, out
 
 
 def test_exit_codes_of_the_command_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
