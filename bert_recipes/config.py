@@ -427,21 +427,34 @@ def yaml_problem(err) -> str:
     return f"{getattr(err, 'problem', None) or str(err).splitlines()[0]}{at}"
 
 
+def read_text(path: Path, what: str, example: str) -> str:
+    """A text file the user named (`what`: recipe, DeepSpeed config), or one config error line: a directory,
+    an unreadable file or one that is not text (binary) is refused. example: a file that would do."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory: give a file (e.g. {example})")
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not a text file (its bytes are not UTF-8 text): give a file such as "
+                          f"{example}") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read ({e.strerror}): give a readable file") from None
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     cfg = Config()
     if recipe is not None:
         path = Path(recipe)
         if not path.exists():
             raise ConfigError(f"recipe not found: {path}")
-        if path.is_dir():
-            raise ConfigError(f"recipe {path} is a directory: give a recipe's YAML file (e.g. recipes/tiny-mlm.yaml)")
         try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"recipe {path} cannot be read ({e.strerror}): give a readable YAML file") from None
+            data = yaml.safe_load(read_text(path, "recipe", "recipes/tiny-mlm.yaml"))
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {path} is not valid YAML: {yaml_problem(e)}") from None
-        _merge(cfg, {} if data is None else data)
+        if data is None:
+            raise ConfigError(f"recipe {path} is empty: give its sections (see recipes/), or leave out --recipe "
+                              "to start from the defaults")
+        _merge(cfg, data)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like section.key=value")

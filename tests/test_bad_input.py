@@ -36,6 +36,11 @@ class Ctx:
         path.write_text(text)
         return path
 
+    def binary(self, name):
+        path = self.tmp / name
+        path.write_bytes(bytes(range(128, 256)) * 4)   # not UTF-8
+        return path
+
     def files(self, train_text, task="classification", valid_text="text,label\nan example,0\nanother one,1\n",
               **extra):
         train = self.file("train.csv", train_text)
@@ -81,6 +86,9 @@ CASES = [
      "recipe: expected a mapping"),
     ("recipe not YAML", lambda c, m: ["--recipe", str(c.file("r.yaml", "train: [1, 2\n"))] + c.args(),
      "is not valid YAML"),
+    ("empty recipe", lambda c, m: ["--recipe", str(c.file("r.yaml", ""))] + c.args(), "is empty: give its sections"),
+    ("binary recipe", lambda c, m: ["--recipe", str(c.binary("r.yaml"))] + c.args(), "is not a text file"),
+    ("recipe that is a directory", lambda c, m: ["--recipe", str(c.tmp)] + c.args(), "is a directory: give a file"),
     ("unknown section", lambda c, m: ["--recipe", str(c.file("r.yaml", "optimizer:\n  lr: 0.1\n"))] + c.args(),
      "unknown key 'optimizer'"),
     ("override without a value", lambda c, m: c.args() + ["--train.max_steps"], "unrecognized argument"),
@@ -174,6 +182,12 @@ CASES = [
                                              m.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "/no/ds.json"), c.args())[2],
      "DeepSpeed config not found: /no/ds.json"),
     ("DeepSpeed JSON not JSON", lambda c, m: (_ds_env(c, m, "{stage: 2"), c.args())[1], "is not valid JSON"),
+    ("DeepSpeed JSON not an object", lambda c, m: (_ds_env(c, m, "[1, 2]"), c.args())[1], "is not a JSON object"),
+    ("DeepSpeed JSON that is a directory", lambda c, m: (m.setenv("ACCELERATE_USE_DEEPSPEED", "true"),
+                                                        m.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(c.tmp)),
+                                                        c.args())[2], "is a directory: give a file"),
+    ("DeepSpeed JSON's batch against the recipe", lambda c, m: (_ds_env(c, m, '{"train_batch_size": 64}'), c.args())[1],
+     "train_batch_size=64"),
     ("DeepSpeed JSON contradicts the recipe", lambda c, m: (_ds_env(c, m, '{"gradient_clipping": 0.3}'), c.args())[1],
      "clipping: recipe optim.max_grad_norm=1.0"),
     ("LAMB under ZeRO", lambda c, m: (_ds_env(c, m, '{"zero_optimization": {"stage": 2}}'),
@@ -226,6 +240,40 @@ def test_make_refuses_a_missing_or_broken_accelerate_config(text, expected, tmp_
     lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
     assert len(lines) == 1 and expected.format(path=path) in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and "accelerate launch" not in proc.stdout
+
+
+def _zero2_config(tmp_path: Path, ds_text: str) -> Path:
+    """accelerate_configs/zero2.yaml pointing at a DeepSpeed JSON holding ds_text."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(ds_text)
+    path = tmp_path / "acc.yaml"
+    path.write_text((REPO / "accelerate_configs/zero2.yaml").read_text().replace("ds_configs/zero2.json", str(ds)))
+    return path
+
+
+@pytest.mark.parametrize("ds_text, expected", [
+    ("{stage: 2", "is not valid JSON"),
+    ("[1, 2]", "is not a JSON object"),
+    ('{"train_batch_size": 128}', "global batch: recipe train.global_batch_size=64"),
+])
+def test_make_refuses_a_broken_deepspeed_json_before_the_launch(ds_text, expected, tmp_path):
+    proc = subprocess.run(["make", "-s", "zero2", "CPU=1", f"CONFIG={_zero2_config(tmp_path, ds_text)}",
+                           f"RECIPE={REPO / 'recipes/tiny-mlm.yaml'}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "accelerate launch" not in proc.stdout
+
+
+def test_a_deepspeed_json_against_the_recipe_under_accelerate_launch(tmp_path, sample_dir, datasets_cache,
+                                                                     shared_tokenizer):
+    """The same refusal with the launcher in front (2 ranks): one line, from rank 0, exit code 2."""
+    out = tmp_path / "out"
+    args = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer})]
+    log = launch_script("train.py", args, 2, backend="zero2", config=_zero2_config(tmp_path, '{"train_batch_size": 64}'),
+                        check=False)
+    assert log.count("config error:") == 1 and "train_batch_size=64" in log, log[-3000:]
+    assert "exitcode  : 2" in log and not out.exists()
 
 
 def test_suspicious_settings_warn_once_and_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):

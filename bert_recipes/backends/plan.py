@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError, yaml_problem
+from ..config import ConfigError, read_text, yaml_problem
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,7 +115,7 @@ def read_launch_plan(env=os.environ) -> LaunchPlan:
         if not path.exists():
             raise ConfigError(f"DeepSpeed config not found: {path} (from the accelerate config's deepspeed_config_file)")
         try:
-            plan.ds_config = json.loads(path.read_text())
+            plan.ds_config = json.loads(read_text(path, "DeepSpeed config", "ds_configs/zero2.json"))
         except json.JSONDecodeError as e:
             raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
         if not isinstance(plan.ds_config, dict):
