@@ -129,7 +129,7 @@ def main(cfg: Config) -> dict:
     module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
            f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, {cfg.optim.decay} decay")
-    for warning in schedule_warnings(cfg, total_steps):
+    for warning in schedule_warnings(cfg, total_steps, slots=not plan.pipeline):
         print0(warning)
 
     # -------------------------------------------------------------------- prepare

@@ -17,7 +17,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from .config import ConfigError
+from .config import ConfigError, path_kind
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "train_state.json"
@@ -105,7 +105,10 @@ def check_resume_path(resume: str | None) -> Path | None:
     if resume in (None, "auto"):
         return None
     path = Path(resume)
-    if path.is_file():
+    kind = path_kind(path, "checkpoint.resume")
+    if kind == "dir":
+        path_kind(path / STATE_FILE, "checkpoint.resume")   # a directory this user cannot look into
+    if kind == "file":
         raise ConfigError(f"checkpoint.resume={resume} is a file, not a checkpoint directory: use --resume auto or a "
                           "step_XXXXXXXX directory under <output_dir>/checkpoints")
     if not (path / STATE_FILE).exists():
@@ -190,7 +193,7 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
 def check_writable_dir(path: Path, key: str) -> None:
     """`path` is a directory, or can be made one: its nearest existing ancestor is a writable directory."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
+    if path_kind(path, key) == "file":
         raise ConfigError(f"{key}={path} is a file, not a directory: give a directory path (it is created if missing)")
     existing = next(p for p in [path, *path.absolute().parents] if p.exists())
     if not existing.is_dir():

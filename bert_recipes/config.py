@@ -427,13 +427,23 @@ def yaml_problem(err) -> str:
     return f"{getattr(err, 'problem', None) or str(err).splitlines()[0]}{at}"
 
 
+def path_kind(path: str | Path, key: str) -> str:
+    """-> "missing", "dir" or "file"; a path this user may not look into (a directory above it without
+    read or search permission) is one config error line, never pathlib's PermissionError."""
+    path = Path(path).expanduser()
+    try:
+        return "dir" if path.is_dir() else "file" if path.exists() else "missing"
+    except PermissionError:
+        raise ConfigError(f"{key}={path} cannot be read (permission denied): give a path this user can read") from None
+
+
 def read_text(path: Path, what: str, example: str) -> str:
     """A text file the user named (`what`: recipe, DeepSpeed config), or one config error line: a directory,
     an unreadable file or one that is not text (binary) is refused. example: a file that would do."""
-    if path.is_dir():
+    if path_kind(path, what) == "dir":
         raise ConfigError(f"{what} {path} is a directory: give a file (e.g. {example})")
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {path} is not a text file (its bytes are not UTF-8 text): give a file such as "
                           f"{example}") from None
@@ -445,7 +455,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     cfg = Config()
     if recipe is not None:
         path = Path(recipe)
-        if not path.exists():
+        if path_kind(path, "recipe") == "missing":
             raise ConfigError(f"recipe not found: {path}")
         try:
             data = yaml.safe_load(read_text(path, "recipe", "recipes/tiny-mlm.yaml"))
@@ -537,8 +547,9 @@ def optimizer_steps(train: TrainConfig, train_sequences: int, replicas: int, acc
     return steps_per_epoch, min(limits)
 
 
-def schedule_warnings(cfg: Config, total_steps: int) -> list[str]:
-    """Legal but probably unintended: one line each."""
+def schedule_warnings(cfg: Config, total_steps: int, slots: bool = True) -> list[str]:
+    """Legal but probably unintended: one line each. slots: the MLM head predicts K position slots (not
+    under the pipeline, whose head predicts every position)."""
     o, t, out = cfg.optim, cfg.train, []
     warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * total_steps)
     if warmup >= total_steps:
@@ -554,7 +565,7 @@ def schedule_warnings(cfg: Config, total_steps: int) -> list[str]:
         out.append(f"[warning] train.eval_every={t.eval_every} >= the run's {total_steps} steps: {then}")
     chosen = round(cfg.data.mlm_probability * cfg.data.max_seq_length)
     k = cfg.data.max_predictions_per_seq if cfg.task.kind == "mlm" else None
-    if isinstance(k, int) and k > max(1, chosen):
+    if slots and isinstance(k, int) and k > max(1, chosen):   # slots: the pipeline's head predicts every position
         out.append(f"[warning] data.max_predictions_per_seq={k}, but at most round(data.mlm_probability x "
                    f"data.max_seq_length) = {max(1, chosen)} tokens of a sequence are chosen: {k - max(1, chosen)} of "
                    f"its {k} slots are always empty (the head computes them for nothing); set it to {max(1, chosen)} or auto")
@@ -593,6 +604,9 @@ class Range:
     hint: str = ""
     items: int | None = None
 
+    def __post_init__(self):
+        assert self.low is not None, f"{self.key}: a range needs its low end"
+
     def ok(self, value) -> bool:
         if isinstance(value, str):
             return value in self.also
@@ -606,7 +620,8 @@ class Range:
 
     def must(self) -> str:
         if self.high is None:
-            text = "positive" if (self.low == 0 and self.open_low) else f">= {_number(self.low)}"
+            text = ("positive" if self.low == 0 and self.open_low else
+                    f"{'>' if self.open_low else '>='} {_number(self.low)}")
         else:
             text = (f"in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
                     f"{')' if self.open_high else ']'}")

@@ -196,6 +196,8 @@ class PipelineEngine:
 
         from .backends.accelerator import set_kernels
         from .backends.consistency import check_trackers
+        from .backends.deepspeed import ask_cpuinfo_once
+        ask_cpuinfo_once()
         if cfg.model.gradient_checkpointing:
             raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
                               "pipeline.activation_checkpoint_interval instead")

@@ -20,7 +20,7 @@ from pathlib import Path
 from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
 from .checkpoint import check_output_dir, check_resume_path, check_writable_dir
-from .config import Config, ConfigError, padded_batches, parse_train_args, resolve, to_yaml, validate
+from .config import Config, ConfigError, padded_batches, parse_train_args, path_kind, resolve, to_yaml, validate
 from .sources import check_data_files, check_prepared_dir
 
 
@@ -32,14 +32,17 @@ def looks_local(name: str) -> bool:
 def check_paths(cfg: Config) -> None:
     """The local paths the run reads: model and tokenizer directories, data files, prepared data."""
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("tokenizer.name_or_path", cfg.tokenizer.name_or_path)):
-        if name and Path(name).expanduser().is_file():
+        if name:
+            path_kind(Path(name) / "config.json", key)   # a directory this user may not look into: one line
+        if name and path_kind(name, key) == "file":
             raise ConfigError(f"{key}={name} is a file, not a directory: give a Hugging Face model directory (such as "
                               "an export's model/) or a Hub name")
         if name and looks_local(name) and not Path(name).expanduser().is_dir():
             raise ConfigError(f"{key}={name}: cannot load it: no such directory (give a Hugging Face model directory, "
                               "such as an export's model/, or a Hub name)")
-    for key, path in (("data.cache_dir", cfg.data.cache_dir),
-                      ("data.sample_dir", cfg.data.sample_dir if cfg.data.source == "sample" else None)):
+    built = cfg.data.source == "sample" and path_kind(Path(cfg.data.sample_dir) / "manifest.json", "data.sample_dir") == "file"
+    for key, path in (("data.cache_dir", cfg.data.cache_dir),   # a built sample is only read (sample.build_sample)
+                      ("data.sample_dir", cfg.data.sample_dir if cfg.data.source == "sample" and not built else None)):
         if path is not None:
             check_writable_dir(Path(path), key)
     if cfg.data.source == "files":

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig, first_line
+from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig, first_line, path_kind
 from .rank0 import on_rank0
 from .tokenizing import TOKENIZE_VERSION
 
@@ -27,10 +27,13 @@ def check_data_files(data: DataConfig) -> dict[str, list[str]]:
         files["validation"] = list(data.validation_files)
     for key, paths in (("data.train_files", files["train"]), ("data.validation_files", files.get("validation", []))):
         for f in paths:
-            if Path(f).is_dir():
+            kind = path_kind(f, key)
+            if kind == "dir":
                 raise ConfigError(f"{key}: {f} is a directory, not a data file: list its files (e.g. [{f}/train.txt])")
-            if not Path(f).is_file():
+            if kind == "missing":
                 raise ConfigError(f"{key}: data file not found: {f}")
+            if not os.access(f, os.R_OK):
+                raise ConfigError(f"{key}={f} cannot be read (permission denied): give a file this user can read")
             if Path(f).stat().st_size == 0:
                 raise ConfigError(f"{key}: {f} is empty; give a file with rows")
     return files
@@ -227,7 +230,10 @@ def prepared_signature(cfg) -> dict:
 
 def check_prepared_dir(data: DataConfig) -> Path:
     root = Path(data.prepared_dir)
-    if root.is_file():
+    kind = path_kind(root, "data.prepared_dir")
+    if kind == "dir":
+        path_kind(root / PREPARED_META, "data.prepared_dir")   # a directory this user cannot look into
+    if kind == "file":
         raise ConfigError(f"data.prepared_dir={root} is a file, not a directory: give the directory make prepare wrote")
     if not (root / PREPARED_META).is_file():
         raise ConfigError(f"data.prepared_dir={root} holds no prepared data ({PREPARED_META} missing): write it with "

@@ -1,4 +1,4 @@
-"""The suite's process census: with `PYTHONPATH=tests/census`, every Python process the suite starts (ranks,
+"""The suite's process census: with `PYTHONPATH=$PWD/tests/census`, every Python process the suite starts (ranks,
 launchers, tools, DeepSpeed's helpers) appends one line when it starts and one when it exits normally to
 $SUITE_CENSUS (default /tmp/suite-census.tsv), with the test that started it (PYTEST_CURRENT_TEST). A
 process killed or ended with os._exit without exit handlers has no end line. Read it with
