@@ -25,14 +25,14 @@ def prepare_data(cfg, output_dir: Path, is_main: bool, barrier, fixed_length: in
                               output_dir / "tokenizer", is_main, broadcast)
     with main_first(is_main, barrier, broadcast):
         data = tokenize(raw, tokenizer, cfg.task, cfg.data, cfg.task.label_names)
-    if cfg.task.kind == "classification":
-        mapping = label_mapping(raw, cfg.task, cfg.data, cfg.task.label_names)
-        if mapping is not None and cfg.task.label_names is None:
-            # text labels without task.label_names: their sorted order becomes the run's label_names,
-            # so the resolved config and the export's id2label name them
+    if cfg.task.kind == "classification" and cfg.task.label_names is None:
+        # text labels without task.label_names: their sorted order becomes the run's label_names,
+        # so the resolved config and the export's id2label name them
+        mapping = label_mapping(raw, cfg.task, cfg.data, None)
+        if mapping is not None:
             cfg.task.label_names = list(mapping)
-        for warning in missing_classes(raw, cfg.task, cfg.data, mapping) if is_main else []:
-            print(warning, flush=True)
+    for warning in missing_classes(data, cfg.task) if is_main and cfg.task.kind == "classification" else []:
+        print(warning, flush=True)
     # a test split's own example ids (GLUE's `idx`, which a submission file must repeat), else row numbers
     test_index = {k.removeprefix("test:"): list(raw[k]["idx"]) if "idx" in raw[k].column_names else list(range(len(raw[k])))
                   for k in raw if k.startswith("test:")}

@@ -131,15 +131,16 @@ def label_mapping(raw, task: TaskConfig, data: DataConfig, label_names: list[str
     return None
 
 
-def missing_classes(raw, task: TaskConfig, data: DataConfig, mapping: dict | None) -> list[str]:
+def missing_classes(tokenized, task: TaskConfig) -> list[str]:
     """A training or evaluation split without a single row of one of the task's classes is legal (a small
-    evaluation split often is), and the run goes on: -> one [warning] line per such split, naming the classes."""
+    evaluation split often is), and the run goes on: -> one [warning] line per such split, naming the classes.
+    Reads the labels tokenize wrote (class ids, whatever the data's own labels were)."""
     if task.num_labels == 1:
         return []
     out = []
     for split, name in (("train", "training"), ("eval", "evaluation")):
-        values = raw[split][data.label_column]
-        seen = {mapping[v] for v in values} if mapping else {int(float(v)) for v in values}
+        values = tokenized[split]["labels"]
+        seen = set(values)
         missing = [i for i in range(task.num_labels) if i not in seen]
         if missing:
             shown = ", ".join(f"{i} ({task.label_names[i]})" if task.label_names else str(i) for i in missing[:8])
