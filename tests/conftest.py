@@ -29,6 +29,11 @@ for _var in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):
     os.environ.pop(_var, None)
 
 
+# The venv's commands first, as in an activated venv: one ninja for every DeepSpeed op build (the venv's 1.13 and
+# a system 1.11 hash the same command differently, and each rebuilt the ops the other had built: about 50 s a
+# time, seen four times in one suite on 2026-12-02).
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
 # ----------------------------------------------------------------------------- DeepSpeed's op builds, once
 DS_MODULES = ("test_backends", "test_memory", "test_slurm", "test_reliability")   # files whose runs use DeepSpeed
 DS_WORDS = ("zero", "deepspeed", "offload", "pipeline", "nvme")                    # tests named for a DeepSpeed row
@@ -38,6 +43,56 @@ DS_WORDS = ("zero", "deepspeed", "offload", "pipeline", "nvme")                 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 # ... and compiles them at -O1 without debug info (tests/g++-quick): a third less of the suite's longest work.
 os.environ.setdefault("CXX", str(REPO / "tests/g++-quick"))
+
+
+# ----------------------------------------------------------------------------- the warm start
+# Every Python process the suite starts for the repository's scripts and launchers (ranks, accelerate launch,
+# torchrun, tools/) is forked from one server that has imported torch, transformers, accelerate, datasets and
+# DeepSpeed once (tests/warm/server.py; the process that asked stays as its stand-in: tests/warm/sitecustomize.py).
+# Those imports were about half of the suite's CPU (tests/census, 2026-12-02: 209 ranks and 109 launchers, 6-10 s
+# of imports each). BERT_RECIPES_WARM=0 runs every process cold; a test that must see a cold process sets it in
+# that process's environment (a SIGSTOP cannot be forwarded to the forked twin).
+_WARM: dict = {}
+
+
+def _start_warm_server() -> None:
+    import tempfile
+    if os.environ.get("BERT_RECIPES_WARM", "1") == "0" or "BERT_RECIPES_WARM_SOCKET" in os.environ:
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="bert-recipes-warm-"))
+    socket_path, log = str(tmp / "server.sock"), tmp / "server.log"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests/warm"), os.environ.get("PYTHONPATH")]))
+    _WARM.update(log=log, server=subprocess.Popen([sys.executable, str(REPO / "tests/warm/server.py"), socket_path,
+                                                   str(log)], cwd=REPO, stdout=subprocess.DEVNULL,
+                                                  stderr=open(tmp / "server.err", "w")))
+    os.environ["BERT_RECIPES_WARM_SOCKET"] = socket_path   # the server compares requests with its own environment
+
+
+def warm_summary() -> str:
+    """One line: how many processes started warm, how many cold and why."""
+    import collections
+    if "log" not in _WARM or not _WARM["log"].exists():
+        return "warm start: off (BERT_RECIPES_WARM=0)"
+    lines = _WARM["log"].read_text().splitlines()
+    warm = sum(line.startswith("warm\t") for line in lines)
+    cold = collections.Counter(line.split("\t")[1].split(":")[0] for line in lines if line.startswith("cold\t"))
+    return (f"warm start: {warm} processes forked warm, {sum(cold.values())} started cold by the server's rule "
+            f"({dict(cold)}; log {_WARM['log']})")
+
+
+def started_warm(fragment: str) -> int:
+    """How many processes whose command line holds `fragment` the warm server forked."""
+    if "log" not in _WARM or not _WARM["log"].exists():
+        return 0
+    return sum(line.startswith("warm\t") and fragment in line for line in _WARM["log"].read_text().splitlines())
+
+
+def pytest_sessionstart(session):
+    _start_warm_server()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(warm_summary())
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -51,7 +106,8 @@ def pytest_collection_modifyitems(session, config, items):
     matrix = [item for item in matrix if item not in nvme]
     items[:] = [item for item in items if item not in nvme and item not in matrix] + matrix + nvme
     if any(item.module.__name__ in DS_MODULES or any(word in item.name for word in DS_WORDS) for item in items):
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+               "BERT_RECIPES_WARM": "0"}   # its own session, to outlive pytest (the warm server's children do not)
         # its own session: it outlives an interrupted pytest, so a build is never killed half-way (torch's
         # build lock would then make every later load wait)
         _BUILDS.append(subprocess.Popen(["nice", "-n", "19", sys.executable, str(REPO / "tests/build_ds_ops.py")],
@@ -65,6 +121,8 @@ _BUILDS: list = []
 def pytest_sessionfinish(session, exitstatus):
     for build in _BUILDS:   # collect a finished build's exit status (no zombie); a running one goes on
         build.poll()
+    if "server" in _WARM:   # it also stops by itself when pytest is gone
+        _WARM["server"].terminate()
 
 
 @pytest.fixture(scope="session")
@@ -264,13 +322,18 @@ def launch_watched(overrides: list[str], react, nproc: int = 2, backend: str = "
 
 
 def worker_pids(proc) -> dict[int, int]:
-    """{rank: pid} of the train.py processes a launcher started."""
+    """{rank: pid} of the train.py processes a launcher started: the processes of its rendezvous port (under
+    the warm start a rank's process is a child of the launcher's forked twin, not of `proc`; signalling it
+    reaches the twin of the rank: tests/warm/)."""
     import psutil
+    args = list(proc.args)
+    port = next(args[i + 1] for i, a in enumerate(args) if a in ("--main_process_port", "--master_port"))
     out = {}
-    for child in psutil.Process(proc.pid).children(recursive=True):
+    for child in psutil.process_iter():
         try:
-            if "RANK" in child.environ() and any("train.py" in part for part in child.cmdline()):
-                out[int(child.environ()["RANK"])] = child.pid
+            env = child.environ()
+            if env.get("MASTER_PORT") == port and "RANK" in env and any("train.py" in part for part in child.cmdline()):
+                out[int(env["RANK"])] = child.pid
         except psutil.Error:
             pass
     return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import backend_rows, launch, tiny_args
+from conftest import backend_rows, launch, started_warm, tiny_args
 
 ROWS = backend_rows()
 NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
@@ -85,6 +85,29 @@ def test_ddp_reference_is_healthy(ddp_reference):
     out, metrics = ddp_reference
     assert_healthy(metrics, "DistributedType.MULTI_CPU")
     assert metrics["final"]["backend"]["params_sharded"] is False
+
+
+def test_the_warm_start_changes_nothing_a_run_computes(ddp_reference, runs, sample_dir, datasets_cache,
+                                                        shared_tokenizer):
+    """The suite forks its processes from a server that has imported everything once (tests/warm/): the DDP
+    row started cold, every process a plain interpreter, computes the same run to the bit."""
+    out, warm = ddp_reference
+    if not started_warm(str(out)):
+        pytest.skip("the warm start is off (BERT_RECIPES_WARM=0) or was not up yet")
+    assert started_warm(str(out)) == 3   # the launcher and its two ranks
+    cold = launch(2, tiny_args(runs / "ddp-cold", sample_dir, datasets_cache, **common(shared_tokenizer)),
+                  backend="ddp", env={"BERT_RECIPES_WARM": "0"})
+    assert not started_warm(str(runs / "ddp-cold"))
+    assert_healthy(cold, "DistributedType.MULTI_CPU")
+    assert cold["history"] == warm["history"] | {"train": cold["history"]["train"]}   # evaluations: equal
+    for a, b in zip(cold["history"]["train"], warm["history"]["train"]):
+        assert {k: v for k, v in a.items() if not timed(k)} == {k: v for k, v in b.items() if not timed(k)}
+    assert cold["final"]["rank_checksums"] == warm["final"]["rank_checksums"]
+
+
+def timed(key: str) -> bool:
+    """A history column that measures time (throughput, waits), not what was computed."""
+    return key.endswith(("_per_sec", "_s", "_share")) or key == "mfu"
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"])

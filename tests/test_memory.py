@@ -191,11 +191,13 @@ def test_bert_base_width_at_sequence_512_matches_a_real_step(tmp_path):
     """BERT-base's width (hidden 768, 12 heads, MLP 3072, vocabulary 30522) at sequence 512, bf16 autocast,
     one process (the CPU analogue of comparing against torch.cuda.max_memory_allocated on a GPU), with 2
     of its 12 layers: every term of the planner is per layer or per model, so 2 layers check each of them
-    at full width in seconds. All 12 layers, against a GPU's measured peak at the automatic micro batch:
-    the GPU session (tools/gpu_session.py)."""
+    at full width. Micro batch 1: the batch dimension multiplies every term, and the tests above vary it
+    (1 to 8) at smaller widths; each sequence here costs about 50 s of CPU (bf16 GEMMs on a CPU without
+    native bf16 take torch's reference kernels). All 12 layers, against a GPU's measured peak at the
+    automatic micro batch: the GPU session (tools/gpu_session.py)."""
     out = tmp_path / "base.json"
     proc = subprocess.run([sys.executable, "tools/memory.py", "--measure", "--recipe", "recipes/bert-base-mlm-phase1.yaml",
-                           "--data.max_seq_length=512", "--train.micro_batch_size=2", "--train.mixed_precision=bf16",
+                           "--data.max_seq_length=512", "--train.micro_batch_size=1", "--train.mixed_precision=bf16",
                            "--model.num_hidden_layers=2", f"--run.output_dir={tmp_path}", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -150,8 +150,9 @@ def versions(session: Session, step: Step) -> None:
 
 def bench(session: Session, step: Step) -> None:
     """make bench's rows of this part (tools/bench.py --set gpu-<part>), results straight into OUT."""
+    steps = "20" if session.rehearse else "30"   # the rehearsal: one timed window after the warmup (the flow, not a figure)
     cmd = [session.python(), "tools/bench.py", "--size", session.size, "--set", f"gpu-{session.part}", "--repeats", "1",
-           "--steps", "30", "--warmup", "10", "--classify-steps", "30", "--out", str(session.scratch / "bench"),
+           "--steps", steps, "--warmup", "10", "--classify-steps", steps, "--out", str(session.scratch / "bench"),
            "--results", str(session.out), "--append", "--limit-scale", str(session.scale),
            "--data-dir", str(workload_dir(session))]
     if session.rehearse:
