@@ -106,6 +106,7 @@ def pytest_collection_modifyitems(session, config, items):
     matrix = [item for item in matrix if item not in nvme]
     items[:] = [item for item in items if item not in nvme and item not in matrix] + matrix + nvme
     if any(item.module.__name__ in DS_MODULES or any(word in item.name for word in DS_WORDS) for item in items):
+        _clear_stale_build_locks()
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                "BERT_RECIPES_WARM": "0"}   # its own session, to outlive pytest (the warm server's children do not)
         # its own session: it outlives an interrupted pytest, so a build is never killed half-way (torch's
@@ -116,6 +117,32 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 _BUILDS: list = []
+
+
+def _clear_stale_build_locks(grace_s: float = 120.0) -> None:
+    """torch's build lock (`<op>/lock` in the extension cache) has no owner and no timeout: a build killed
+    half-way (kill -9, an OOM) leaves it behind, and every later load of that op waits forever (seen
+    2026-12-02: a NVMe row waited 20 minutes on a lock a killed build had left at 07:10). A lock is stale
+    when it is older than `grace_s` and no live process works in its op's directory (ninja runs there);
+    a stale one is removed with a line, so the op is built again."""
+    import time
+
+    import psutil
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    locks = [lock for lock in root.glob("*/lock") if time.time() - lock.stat().st_mtime > grace_s]
+    if not locks:
+        return
+    busy = set()
+    for proc in psutil.process_iter():
+        try:
+            busy.add(Path(proc.cwd()))
+        except (psutil.Error, OSError):
+            continue
+    for lock in locks:
+        if not any(lock.parent == cwd or lock.parent in cwd.parents for cwd in busy):
+            lock.unlink(missing_ok=True)
+            print(f"[conftest] removed a stale build lock, {lock} (no build works there): "
+                  f"DeepSpeed builds {lock.parent.name} again", file=sys.stderr)
 
 
 def pytest_sessionfinish(session, exitstatus):
