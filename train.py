@@ -34,7 +34,7 @@ from bert_recipes.backends.plan import launch_plan_here
 from bert_recipes.checkpoint import (check_shared_output_dir, read_train_state, resolve_resume, save_checkpoint,
                                      start_output_dir)
 from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
-                                 schedule_warnings, to_yaml, validate)
+                                 schedule_warnings, to_dict, to_yaml, validate)
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.export import model_card
@@ -98,7 +98,8 @@ def main(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------- engine
     # Building the engine starts the process group and compares the recipe with the plan.
-    engine = build_engine(cfg, plan, output_dir)
+    engine = build_engine(plan, output_dir, train=cfg.train, data=cfg.data, optim=cfg.optim, task=cfg.task,
+                          logging=cfg.logging, seed=cfg.run.seed)
     if auto_micro_batch:   # each rank sized it from its own GPU
         same_on_every_rank(cfg.train.micro_batch_size, engine.control, "train.micro_batch_size")
     print0 = engine.print0
@@ -115,7 +116,8 @@ def main(cfg: Config) -> dict:
     # -------------------------------------------------------------------- data
     check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
     label_names = cfg.task.label_names
-    tokenizer, data, collate, test_index = prepare_data(cfg, output_dir, engine.is_main, engine.prep_barrier,
+    tokenizer, data, collate, test_index = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path,
+                                                        cfg.run.seed, output_dir, engine.is_main, engine.prep_barrier,
                                                         engine.fixed_length, engine.broadcast)
     if cfg.task.label_names != label_names:   # text labels, sorted: now part of the run's config
         config_yaml = to_yaml(cfg)
@@ -299,7 +301,7 @@ def run_eval(run: Run) -> dict:
     if run.guard is not None:
         check_guard(run)
     if not (run.guard is not None and run.guard.streak):   # a diverging state is never the best
-        keep_best(run.cfg, run.engine, run.state, metrics, run.output_dir, run.config_yaml)
+        keep_best(run.cfg.checkpoint, run.engine, run.state, metrics, run.output_dir, run.config_yaml)
     return metrics
 
 
@@ -346,8 +348,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
     if cfg.checkpoint.save_final:
         checkpoint_now(run)
     final = restore_best(engine, state, run.output_dir) or final    # checkpoint.metric_for_best
-    final = {**final, **extra_evaluations(cfg, engine, run.data)}   # data.extra_eval_splits
-    write_predictions(cfg, engine, run.data, run.test_index, run.output_dir)   # data.test_splits
+    final = {**final, **extra_evaluations(cfg.task, engine, run.data)}   # data.extra_eval_splits
+    write_predictions(cfg.task, engine, run.data, run.test_index, run.output_dir)   # data.test_splits
     train_rows = state["history"]["train"]
     predicted = run.predicted_peak_gb
     final = {**final, "steps": state["step"],
@@ -363,11 +365,11 @@ def finish(run: Run, wall_time_s: float) -> dict:
     if run.baseline is not None:
         final["majority_baseline_accuracy"] = run.baseline
     if cfg.checkpoint.export:
-        card = model_card(cfg, final, run.backend, state.get("tokens_seen", 0))
+        card = model_card(to_dict(cfg), final, run.backend, state.get("tokens_seen", 0))
         export_dir = engine.export(run.output_dir / "model", run.tokenizer, run.config_yaml, card)
         print0(f"[export] Hugging Face model (fp32) + tokenizer + model card -> {export_dir}")
         if cfg.checkpoint.push_to_hub and engine.is_main:
-            push_to_hub(cfg, export_dir, print0)
+            push_to_hub(cfg.checkpoint, cfg.run.name, export_dir, print0)
     if engine.is_main:
         write_metrics(run.output_dir / "metrics.json", final, state["history"], {"config": flat_dict(cfg)})
         if cfg.logging.plot:

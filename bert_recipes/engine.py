@@ -17,7 +17,7 @@ from .backends.accelerator import build_accelerator, describe, optimizer_in_effe
 from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, zero3_keeps_model_dtype
 from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
-from .config import Config
+from .config import DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import export_model
 from .guard import control_group, on_any_rank, slow_barrier
 from .logs import Trackers
@@ -27,13 +27,17 @@ from .optim import build_scheduler
 from .perf import peak_memory_gb
 
 
-def build_engine(cfg: Config, plan: LaunchPlan, output_dir: Path):
+def build_engine(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data: DataConfig, optim: OptimConfig,
+                 task: TaskConfig, logging: LoggingConfig, seed: int):
     """The pipeline engine when the DeepSpeed JSON has a `pipeline` section (Accelerate has no
-    pipeline parallelism for training); Accelerate for everything else."""
+    pipeline parallelism for training); Accelerate for everything else. Each engine takes the sections it
+    reads: train (batches, timeouts, compile), data (loaders, length bins), optim (clipping, a DeepSpeed
+    JSON's autos), task (evaluation rows), logging (trackers) and the seed (the sampler's order)."""
+    sections = dict(train=train, data=data, optim=optim, task=task, logging=logging, seed=seed)
     if plan.pipeline:
         from .pipeline import PipelineEngine
-        return PipelineEngine(cfg, plan, output_dir)
-    return AccelerateEngine(cfg, plan, output_dir)
+        return PipelineEngine(plan, output_dir, **sections)
+    return AccelerateEngine(plan, output_dir, **sections)
 
 
 def eager_under_compile(compiled: bool):
@@ -73,20 +77,23 @@ class AccelerateEngine:
     counts_data = True       # every rank reads its own batches
     fixed_length = None      # dynamic padding
 
-    def __init__(self, cfg: Config, plan: LaunchPlan, output_dir: Path):
-        self.cfg, self.plan, self.name = cfg, plan, plan.name
+    def __init__(self, plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data: DataConfig,
+                 optim: OptimConfig, task: TaskConfig, logging: LoggingConfig, seed: int):
+        self.plan, self.name = plan, plan.name
+        self.train_cfg, self.data_cfg, self.optim_cfg, self.task, self.seed = train, data, optim, task, seed
         self.accum, self.on_gpu = plan.accum, plan.on_gpu   # resolved once (backends.consistency.resolve_run)
-        self.accelerator = build_accelerator(cfg, plan, output_dir)
+        self.accelerator = build_accelerator(plan, output_dir, train=train, optim=optim, trackers=logging.trackers,
+                                             pin_memory=data.pin_memory)
         kernels = set_kernels(plan)
         a = self.accelerator
-        self.control = control_group(cfg.train.collective_timeout_s)
-        self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
+        self.control = control_group(train.collective_timeout_s)
+        self.prep_barrier = slow_barrier(self.control, data.prepare_timeout_s, "rank 0's data preparation")
         self.is_main, self.is_local_main = a.is_main_process, a.is_local_main_process
         self.num_processes = self.replicas = a.num_processes
         self.device = a.device
-        self.trackers = Trackers(cfg.logging.trackers, self.is_main, output_dir / "logs")
+        self.trackers = Trackers(logging.trackers, self.is_main, output_dir / "logs")
         self.setup_line = (f"{a.distributed_type} x{a.num_processes} on {a.device}, precision={a.mixed_precision}; "
-                           f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
+                           f"global batch {train.global_batch_size} = micro {train.micro_batch_size} x "
                            f"accum {self.accum} x world {a.num_processes}")
         if kernels:
             self.print0(kernels)
@@ -132,14 +139,14 @@ class AccelerateEngine:
 
     def prepare(self, module, optimizer, scheduler, data, collate):
         from torch.utils.data import DataLoader
-        t = self.cfg.train
+        t, d = self.train_cfg, self.data_cfg
         if not self.on_gpu:   # lengths rounded up to a multiple of 8 feed tensor cores; on a CPU it is only padding
             collate.pad_to_multiple_of = None
-        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=self.plan.pin_memory)
-        lengths = fit_length_bins(collate, data, self.cfg.data.length_bins if self.plan.padded else 0, self.print0)
-        if self.cfg.data.group_by_length:   # batches of similar length (data.LengthGroupedBatches)
+        kwargs = loader_kwargs(d, collate, self.seed, pin=self.plan.pin_memory)
+        lengths = fit_length_bins(collate, data, d.length_bins if self.plan.padded else 0, self.print0)
+        if d.group_by_length:   # batches of similar length (data.LengthGroupedBatches)
             lengths = lengths or sequence_lengths(data["train"])
-            batches = LengthGroupedBatches(lengths, t.micro_batch_size, self.cfg.run.seed,
+            batches = LengthGroupedBatches(lengths, t.micro_batch_size, self.seed,
                                            step_batches=t.global_batch_size // t.micro_batch_size)
             train_loader = DataLoader(Indexed(data["train"]), batch_sampler=batches, **kwargs)
         else:
@@ -150,8 +157,8 @@ class AccelerateEngine:
         # The schedule wraps the torch optimizer itself, before prepare: ZeRO keeps that optimizer
         # (and its param_groups) inside its own. A DeepSpeed JSON may own both instead.
         optimizer, scheduler, owned = deepspeed_owned(
-            self.accelerator, self.cfg, module, optimizer, scheduler,
-            recipe_schedule=lambda opt, total=scheduler.total_steps: build_scheduler(opt, self.cfg.optim, total))
+            self.accelerator, self.optim_cfg, module, optimizer, scheduler,
+            recipe_schedule=lambda opt, total=scheduler.total_steps: build_scheduler(opt, self.optim_cfg, total))
         if owned:
             self.print0(owned)
         with zero3_keeps_model_dtype() if self.plan.zero_stage == 3 else contextlib.nullcontext():
@@ -165,7 +172,7 @@ class AccelerateEngine:
         expected = len(data["train"]) // t.micro_batch_size // self.num_processes   # config.optimizer_steps' count
         assert len(self.train_loader) == expected, (len(self.train_loader), expected)
         self.scheduler, self.collate = scheduler, collate   # its state goes to scheduler.json (see save)
-        self.max_grad_norm = self.cfg.optim.max_grad_norm or float("inf")   # inf: measure the norm, never clip
+        self.max_grad_norm = self.optim_cfg.max_grad_norm or float("inf")   # inf: measure the norm, never clip
         self.model.train()
 
     def describe(self) -> dict:
@@ -218,8 +225,8 @@ class AccelerateEngine:
     def _loader(self, dataset):
         """A prepared loader over another split (extra evaluations, test predictions)."""
         from torch.utils.data import DataLoader
-        t = self.cfg.train
-        kwargs = loader_kwargs(self.cfg.data, copy.copy(self.collate), self.cfg.run.seed, pin=self.plan.pin_memory)
+        t = self.train_cfg
+        kwargs = loader_kwargs(self.data_cfg, copy.copy(self.collate), self.seed, pin=self.plan.pin_memory)
         kwargs["collate_fn"].epoch = 0
         return self.accelerator.prepare(DataLoader(Indexed(dataset), batch_size=t.eval_batch_size or t.micro_batch_size,
                                                    **kwargs))
@@ -230,10 +237,10 @@ class AccelerateEngine:
         ids, or values for a regression."""
         preds = []
         self.model.eval()
-        with eager_under_compile(self.cfg.train.compile):
+        with eager_under_compile(self.train_cfg.compile):
             for batch in self._loader(dataset):
                 batch.pop("labels", None)
-                p = predictions(self.cfg.task, self.model(**batch).logits)
+                p = predictions(self.task, self.model(**batch).logits)
                 preds.append(self.accelerator.gather_for_metrics(p).cpu())
         self.model.train()
         return torch.cat(preds).numpy()
@@ -244,9 +251,9 @@ class AccelerateEngine:
         to the last batch. -> rows for metrics.eval_metrics. dataset: another labelled split."""
         self.model.eval()
         parts = []
-        with eager_under_compile(self.cfg.train.compile):
+        with eager_under_compile(self.train_cfg.compile):
             for batch in (self.eval_loader if dataset is None else self._loader(dataset)):
-                found = batch_rows(self.cfg.task, self.model(**batch).logits, batch["labels"],
+                found = batch_rows(self.task, self.model(**batch).logits, batch["labels"],
                                    batch.get("masked_positions"))
                 gathered = self.accelerator.gather_for_metrics(tuple(found.values()))
                 parts.append({key: value.cpu() for key, value in zip(found, gathered)})

@@ -52,25 +52,27 @@ def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state
     return out
 
 
-def model_card(cfg, final: dict, backend: dict, tokens_seen: int) -> str:
-    """README.md of an export: what it is, what it was trained on and how, and how well it did."""
-    d, t = cfg.data, cfg.train
-    base = cfg.model.name_or_path or "none: trained from scratch (randomly initialised)"
+def model_card(recipe: dict, final: dict, backend: dict, tokens_seen: int) -> str:
+    """README.md of an export: what it is, what it was trained on and how, and how well it did. `recipe`:
+    the run's resolved settings as plain data (config.to_dict, what recipe.yaml beside the card holds)."""
+    d, t, job, optim = recipe["data"], recipe["train"], recipe["task"], recipe["optim"]
+    base = recipe["model"]["name_or_path"] or "none: trained from scratch (randomly initialised)"
     data = {"sample": "the embedded sample (Python standard-library documentation)",
-            "hub": f"{d.dataset_name}" + (f" / {d.dataset_config}" if d.dataset_config else ""),
-            "files": ", ".join(d.train_files or [])}[d.source] if d.source in ("sample", "hub", "files") else d.source
+            "hub": f"{d['dataset_name']}" + (f" / {d['dataset_config']}" if d["dataset_config"] else ""),
+            "files": ", ".join(d["train_files"] or [])}.get(d["source"], d["source"])
     skip = {"eval_samples", "steps", "first_train_loss", "last_train_loss", "wall_time_s", "num_processes",
             "eval_dataset_size", "backend", "rank_checksums", "peak_memory_gb_per_rank", "distributed_type",
             "predicted_peak_memory_gb", "skipped_steps"}
     metrics = "\n".join(f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |"
                          for k, v in final.items() if k not in skip and isinstance(v, (int, float)))
-    task = ("masked-language-model pretraining" if cfg.task.kind == "mlm" else
-            "regression" if cfg.task.num_labels == 1 else f"sequence classification, {cfg.task.num_labels} labels")
+    mlm = job["kind"] == "mlm"
+    task = ("masked-language-model pretraining" if mlm else
+            "regression" if job["num_labels"] == 1 else f"sequence classification, {job['num_labels']} labels")
     return f"""---
 library_name: transformers
-tags: [bert, bert-recipes, {"fill-mask" if cfg.task.kind == "mlm" else "text-classification"}]
+tags: [bert, bert-recipes, {"fill-mask" if mlm else "text-classification"}]
 ---
-# {cfg.run.name}
+# {recipe["run"]["name"]}
 
 A BERT model trained with bert-recipes' `train.py`; `recipe.yaml` beside this card holds every setting of the
 run, resolved.
@@ -79,12 +81,12 @@ run, resolved.
 |---|---|
 | task | {task} |
 | base model | {base} |
-| data | {data}; train split `{d.train_split}`, evaluated on `{d.eval_split}`; sequences of {d.max_seq_length} tokens |
-| steps | {final.get("steps")} optimizer steps of {t.global_batch_size} sequences |
+| data | {data}; train split `{d["train_split"]}`, evaluated on `{d["eval_split"]}`; sequences of {d["max_seq_length"]} tokens |
+| steps | {final.get("steps")} optimizer steps of {t["global_batch_size"]} sequences |
 | tokens seen | {tokens_seen:,} (non-padding tokens fed to the model) |
 | backend | {backend.get("name")} on {final.get("num_processes")} processes ({backend.get("distributed_type")}) |
-| precision | {t.mixed_precision} (the weights here are fp32) |
-| optimizer | {cfg.optim.name if hasattr(cfg.optim, "name") else "adamw"}, peak lr {cfg.optim.lr}, {cfg.optim.decay} decay |
+| precision | {t["mixed_precision"]} (the weights here are fp32) |
+| optimizer | {optim["name"]}, peak lr {optim["lr"]}, {optim["decay"]} decay |
 
 ## Final evaluation
 

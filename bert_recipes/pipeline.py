@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .batching import Indexed
-from .config import Config, ConfigError
+from .config import ConfigError, DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import write_export
 from .guard import control_group, slow_barrier
 from .logs import Trackers
@@ -190,33 +190,26 @@ class PipelineEngine:
 
     name = "pipeline"
 
-    def __init__(self, cfg: Config, plan, output_dir: Path):
+    def __init__(self, plan, output_dir: Path, *, train: TrainConfig, data: DataConfig, optim: OptimConfig,
+                 task: TaskConfig, logging: LoggingConfig, seed: int):
         import deepspeed
         import deepspeed.comm as dist
 
         from .backends.accelerator import set_kernels
         from .backends.consistency import check_trackers
         from .backends.deepspeed import ask_cpuinfo_once
-        ask_cpuinfo_once()
-        if cfg.model.gradient_checkpointing:
-            raise ConfigError("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
-                              "pipeline.activation_checkpoint_interval instead")
-        if {"optimizer", "scheduler"} & set(plan.ds_config):
-            raise ConfigError(f"{plan.ds_config_path} has an optimizer or scheduler block: the pipeline engine takes "
-                              "the recipe's own (optim section); remove the block from the JSON")
-        if cfg.train.compile:
-            raise ConfigError("train.compile under the pipeline engine: DeepSpeed's pipeline runs its stages "
-                              "itself; set train.compile=false")
-        self.cfg, self.plan, self.output_dir = cfg, plan, output_dir
+        ask_cpuinfo_once()   # (what the pipeline cannot run was refused in preflight: backends/deepspeed.pipeline_conflicts)
+        self.plan, self.output_dir = plan, output_dir
+        self.train_cfg, self.data_cfg, self.optim_cfg, self.task, self.seed = train, data, optim, task, seed
         self.on_gpu = plan.on_gpu   # decided once (backend.launch_plan_here)
         kernels = set_kernels(plan)
         deepspeed.init_distributed(dist_backend=None if self.on_gpu else "gloo",
-                                   timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+                                   timeout=timedelta(seconds=train.collective_timeout_s))
         self.dist = dist
         from accelerate import PartialState
         PartialState()   # no Accelerator here, but Accelerate's trackers (logs.Trackers) log through its state
-        self.control = control_group(cfg.train.collective_timeout_s)
-        self.prep_barrier = slow_barrier(self.control, cfg.data.prepare_timeout_s, "rank 0's data preparation")
+        self.control = control_group(train.collective_timeout_s)
+        self.prep_barrier = slow_barrier(self.control, data.prepare_timeout_s, "rank 0's data preparation")
         world, self.rank = dist.get_world_size(), dist.get_rank()
         if world != plan.world:
             raise ConfigError(f"the launcher started {plan.world} processes (WORLD_SIZE) but DeepSpeed sees {world}")
@@ -226,11 +219,11 @@ class PipelineEngine:
         self.is_main = self.rank == 0
         self.is_local_main = int(os.environ.get("LOCAL_RANK", "0")) == 0
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
-        self.fixed_length = cfg.data.max_seq_length   # the pipeline's buffers have fixed shapes
-        self.trackers = Trackers(check_trackers(cfg.logging.trackers), self.is_main, output_dir / "logs")
+        self.fixed_length = data.max_seq_length   # the pipeline's buffers have fixed shapes
+        self.trackers = Trackers(check_trackers(logging.trackers), self.is_main, output_dir / "logs")
         self.setup_line = (f"DeepSpeed pipeline engine, {self.stages} stages x {self.replicas} data-parallel replicas = "
                            f"{world} processes, precision={plan.precision}; global batch "
-                           f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum {self.accum} "
+                           f"{train.global_batch_size} = micro {train.micro_batch_size} x accum {self.accum} "
                            f"x dp {self.replicas}")
         if kernels:
             self.print0(kernels)
@@ -269,7 +262,7 @@ class PipelineEngine:
         from deepspeed.pipe import PipelineModule
         if not hasattr(model, "bert"):
             raise ConfigError("the pipeline engine builds BERT models only (model_type bert)")
-        task = self.cfg.task
+        task = self.task
         self.full_param_numel = sum(p.numel() for p in model.parameters())
         self.model_class, self.model_config = type(model), model.config   # for the export
         specs, self.names = layer_specs(model, task.kind)
@@ -286,10 +279,10 @@ class PipelineEngine:
         from torch.utils.data import BatchSampler, DataLoader
 
         from .batching import loader_kwargs
-        t = self.cfg.train
+        t = self.train_cfg
         ds_config = {k: v for k, v in self.plan.ds_config.items() if k != "pipeline"}
         ds_config.update(train_micro_batch_size_per_gpu=t.micro_batch_size, gradient_accumulation_steps=self.accum,
-                         train_batch_size=t.global_batch_size, gradient_clipping=self.cfg.optim.max_grad_norm)
+                         train_batch_size=t.global_batch_size, gradient_clipping=self.optim_cfg.max_grad_norm)
         for mode in ("bf16", "fp16"):
             if isinstance(ds_config.get(mode), dict):
                 ds_config[mode] = {**ds_config[mode], "enabled": t.mixed_precision == mode}
@@ -299,7 +292,7 @@ class PipelineEngine:
         self.replica = self.engine.grid.data_parallel_id   # PipeDataParallelTopology: data axis is fastest
         assert self.replica == (self.rank % self.replicas if self.replicas > 1 else 0)
         train_set = Indexed(data["train"])
-        self.sampler = SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.cfg.run.seed)
+        self.sampler = SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.seed)
         # Accelerate's own sharding, by replica rather than rank: batch i of the seedable order goes to
         # replica i % replicas (whole rounds only), so a pipeline run sees exactly the batches of a DDP
         # run with as many ranks; a resumed epoch's first batches are skipped before they are collated.
@@ -307,7 +300,7 @@ class PipelineEngine:
             BatchSampler(self.sampler, t.micro_batch_size, drop_last=True), self.replicas, self.replica), 0)
         # the loader's own generator: each new iterator draws its base seed from it, not from the global
         # RNG, whose dropout stream a resumed run must continue exactly
-        kwargs = loader_kwargs(self.cfg.data, collate, self.cfg.run.seed, pin=self.plan.pin_memory)
+        kwargs = loader_kwargs(self.data_cfg, collate, self.seed, pin=self.plan.pin_memory)
         self.loader = DataLoader(train_set, batch_sampler=self.batch_sampler, **kwargs)
         self.eval_set, self.eval_collate = Indexed(data["eval"]), copy.copy(collate)
         self.scheduler, self.counts_data = scheduler, self.engine.is_first_stage()
@@ -318,7 +311,7 @@ class PipelineEngine:
         local = sum(p.numel() for p in self.net.parameters())
         parts = self.net.parts
         info = {"name": self.name, "distributed_type": "DEEPSPEED_PIPELINE", "num_processes": self.num_processes,
-                "mixed_precision": self.cfg.train.mixed_precision, "pipeline_stages": self.stages,
+                "mixed_precision": self.train_cfg.mixed_precision, "pipeline_stages": self.stages,
                 "data_parallel_size": self.replicas, "stage_id": self.engine.stage_id,
                 "zero_stage": self.engine.zero_optimization_stage(), "local_param_numel": local,
                 "full_param_numel": self.full_param_numel, "params_sharded": local < self.full_param_numel,
@@ -348,7 +341,7 @@ class PipelineEngine:
         """(dataset indices, logits, labels) of each batch, on the last stage. Each replica takes every
         replicas-th sample; a short last batch is padded with repeats (the pipeline's buffers have
         fixed shapes) and the repeats are dropped, so every sample comes out once."""
-        bs = self.cfg.train.eval_batch_size or self.cfg.train.micro_batch_size
+        bs = self.train_cfg.eval_batch_size or self.train_cfg.micro_batch_size
         mine = list(range(self.replica, len(ds), self.replicas))
         n_batches = math.ceil(math.ceil(len(ds) / self.replicas) / bs)   # the same on every replica
         self.engine.eval()
@@ -372,14 +365,14 @@ class PipelineEngine:
 
     def evaluate(self, dataset=None) -> dict:
         """Rows for metrics.eval_metrics, every sample once. dataset: another labelled split."""
-        parts = [{k: v.cpu() for k, v in batch_rows(self.cfg.task, logits, labels).items()}
+        parts = [{k: v.cpu() for k, v in batch_rows(self.task, logits, labels).items()}
                  for _, logits, labels in self._outputs(self.eval_set if dataset is None else Indexed(dataset))]
         return self._gather(parts)
 
     def predict(self, dataset):
         """The prediction for every row of `dataset`, in order: class ids, or values for a regression."""
         import numpy as np
-        parts = [{"index": torch.tensor(idx), "preds": predictions(self.cfg.task, logits).cpu()}
+        parts = [{"index": torch.tensor(idx), "preds": predictions(self.task, logits).cpu()}
                  for idx, logits, _ in self._outputs(Indexed(dataset))]
         rows = self._gather(parts)
         order = np.argsort(rows.get("index", np.zeros(0)), kind="stable")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checkpoint import checkpoint_root, save_checkpoint
-from .config import Config
+from .config import CheckpointConfig, TaskConfig
 from .metrics import eval_metrics
 
 BEST = "best"
@@ -22,14 +22,14 @@ def is_better(metric: str, value: float, best: dict | None) -> bool:
     return value < best["value"] if lower_is_better(metric) else value > best["value"]
 
 
-def keep_best(cfg: Config, engine, state: dict, metrics: dict, output_dir: Path, config_yaml: str) -> bool:
+def keep_best(ckpt: CheckpointConfig, engine, state: dict, metrics: dict, output_dir: Path, config_yaml: str) -> bool:
     """After an evaluation: when checkpoint.metric_for_best improved, save this state as
     checkpoints/best (a complete checkpoint the rotation never prunes). Collective. -> saved?"""
-    name = cfg.checkpoint.metric_for_best
+    name = ckpt.metric_for_best
     if not name or name not in metrics or not is_better(name, metrics[name], state.get("best")):
         return False
     state["best"] = {"step": metrics["step"], "metric": name, "value": metrics[name], "metrics": dict(metrics)}
-    save_checkpoint(output_dir, metrics["step"], state, config_yaml, cfg.checkpoint.keep_last, engine.save,
+    save_checkpoint(output_dir, metrics["step"], state, config_yaml, ckpt.keep_last, engine.save,
                     engine.is_main, engine.barrier, name=BEST)
     engine.print0(f"[best] step {metrics['step']}: {name} {metrics[name]:.4f}, kept in {checkpoint_root(output_dir) / BEST}")
     return True
@@ -46,19 +46,19 @@ def restore_best(engine, state: dict, output_dir: Path) -> dict | None:
     return dict(best["metrics"])
 
 
-def extra_evaluations(cfg: Config, engine, data) -> dict:
+def extra_evaluations(task: TaskConfig, engine, data) -> dict:
     """data.extra_eval_splits, each as <split>/<metric> (MNLI's mismatched set beside the matched one)."""
     out = {}
     for key in (k for k in data if k.startswith("eval:")):
         split = key.removeprefix("eval:")
-        metrics = eval_metrics(cfg.task, engine.evaluate(data[key]))
+        metrics = eval_metrics(task, engine.evaluate(data[key]))
         out.update({f"{split}/{k}": v for k, v in metrics.items()})
         engine.print0(f"[eval] {split}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in metrics.items()))
     return out
 
 
-def write_predictions(cfg: Config, engine, data, test_index: dict, output_dir: Path) -> list[Path]:
+def write_predictions(task: TaskConfig, engine, data, test_index: dict, output_dir: Path) -> list[Path]:
     """data.test_splits -> output_dir/predictions/<split>.tsv: `index<TAB>prediction`, one row per
     example in the split's order, the index from the split's own idx column (GLUE's submission
     format), predictions as label names where task.label_names gives them (else class ids), or
@@ -69,9 +69,9 @@ def write_predictions(cfg: Config, engine, data, test_index: dict, output_dir: P
         preds = engine.predict(data[key])
         if not engine.is_main:
             continue
-        names = cfg.task.label_names if cfg.task.num_labels > 1 else None
+        names = task.label_names if task.num_labels > 1 else None
         shown = ([names[int(p)] for p in preds] if names else
-                 [f"{float(p):.3f}" for p in preds] if cfg.task.num_labels == 1 else [str(int(p)) for p in preds])
+                 [f"{float(p):.3f}" for p in preds] if task.num_labels == 1 else [str(int(p)) for p in preds])
         path = output_dir / "predictions" / f"{split}.tsv"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("index\tprediction\n" + "".join(f"{i}\t{p}\n" for i, p in zip(test_index[split], shown)))
@@ -81,17 +81,17 @@ def write_predictions(cfg: Config, engine, data, test_index: dict, output_dir: P
     return written
 
 
-def push_to_hub(cfg: Config, export_dir: Path, print0) -> None:
+def push_to_hub(ckpt: CheckpointConfig, run_name: str, export_dir: Path, print0) -> None:
     """Upload the export (weights, tokenizer, recipe, model card) to checkpoint.hub_model_id. A failed
     upload does not undo the run: it says so and how to retry."""
+    repo = ckpt.hub_model_id
     try:
         from huggingface_hub import HfApi
         api = HfApi()
-        api.create_repo(cfg.checkpoint.hub_model_id, exist_ok=True)
-        info = api.upload_folder(folder_path=str(export_dir), repo_id=cfg.checkpoint.hub_model_id,
-                                 commit_message=f"bert-recipes: {cfg.run.name}")
-        print0(f"[hub] uploaded {export_dir} -> {getattr(info, 'commit_url', cfg.checkpoint.hub_model_id)}")
+        api.create_repo(repo, exist_ok=True)
+        info = api.upload_folder(folder_path=str(export_dir), repo_id=repo, commit_message=f"bert-recipes: {run_name}")
+        print0(f"[hub] uploaded {export_dir} -> {getattr(info, 'commit_url', repo)}")
     except Exception as err:   # offline, no token, no permission: the export stays on disk
-        print0(f"[hub] upload to {cfg.checkpoint.hub_model_id} failed ({type(err).__name__}: "
+        print0(f"[hub] upload to {repo} failed ({type(err).__name__}: "
                f"{str(err).splitlines()[0] if str(err) else ''}); the export is in {export_dir}; retry with "
-               f"`huggingface-cli upload {cfg.checkpoint.hub_model_id} {export_dir}`")
+               f"`huggingface-cli upload {repo} {export_dir}`")

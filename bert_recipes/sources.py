@@ -214,15 +214,14 @@ def tokenizer_identity(name: str | None) -> str | None:
     return "sha256:" + digest.hexdigest()[:32]
 
 
-def prepared_signature(cfg) -> dict:
+def prepared_signature(data: DataConfig, task: TaskConfig, tok: TokenizerConfig, model_name_or_path: str | None) -> dict:
     """The settings that decide a run's tokens: prepared data is used only by a recipe that agrees."""
-    d, t = cfg.data, cfg.task
-    return {"task.kind": t.kind, "task.num_labels": t.num_labels if t.kind == "classification" else None,
-            "task.label_names": t.label_names,
-            "tokenizer": tokenizer_identity(cfg.tokenizer.name_or_path or cfg.model.name_or_path),
-            "tokenizer.vocab_size": cfg.tokenizer.vocab_size if not (cfg.tokenizer.name_or_path or cfg.model.name_or_path)
-            else None,
-            **{f"data.{k}": getattr(d, k) for k in (
+    named = tok.name_or_path or model_name_or_path
+    return {"task.kind": task.kind, "task.num_labels": task.num_labels if task.kind == "classification" else None,
+            "task.label_names": task.label_names,
+            "tokenizer": tokenizer_identity(named),
+            "tokenizer.vocab_size": tok.vocab_size if not named else None,
+            **{f"data.{k}": getattr(data, k) for k in (
                 "max_seq_length", "packing", "text_column", "text_pair_column", "label_column", "train_split", "eval_split",
                 "extra_eval_splits", "test_splits", "max_train_samples", "max_eval_samples",
                 "validation_split_percentage")}}
@@ -241,21 +240,21 @@ def check_prepared_dir(data: DataConfig) -> Path:
     return root
 
 
-def load_prepared(cfg):
+def load_prepared(data: DataConfig, task: TaskConfig, tok: TokenizerConfig, model_name_or_path: str | None):
     """-> (tokenizer, memory-mapped splits, test_index) from data.prepared_dir, checked against the recipe."""
     from datasets import DatasetDict
     from transformers import AutoTokenizer
-    root = check_prepared_dir(cfg.data)
+    root = check_prepared_dir(data)
     meta = json.loads((root / PREPARED_META).read_text())
-    expected = prepared_signature(cfg)
-    given = cfg.tokenizer.name_or_path or cfg.model.name_or_path   # data prepared before tokenizer_identity: a path
+    expected = prepared_signature(data, task, tok, model_name_or_path)
+    given = tok.name_or_path or model_name_or_path   # data prepared before tokenizer_identity: a path
     differ = [f"{k}: prepared {meta['signature'].get(k)!r}, this run {v!r}" for k, v in expected.items()
               if k != "data.source" and meta["signature"].get(k) != v
               and not (k == "tokenizer" and meta["signature"].get(k) == given)]
     if differ:
         raise ConfigError(f"data.prepared_dir={root} was prepared with other settings ({'; '.join(differ)}): prepare "
                           "it again with this recipe")
-    if cfg.task.label_names is None and meta.get("label_names"):   # text labels, named when prepared
-        cfg.task.label_names = meta["label_names"]
-    data = DatasetDict.load_from_disk(str(root / "data"))
-    return AutoTokenizer.from_pretrained(str(root / "tokenizer")), data, meta["test_index"]
+    if task.label_names is None and meta.get("label_names"):   # text labels, named when prepared
+        task.label_names = meta["label_names"]
+    splits = DatasetDict.load_from_disk(str(root / "data"))
+    return AutoTokenizer.from_pretrained(str(root / "tokenizer")), splits, meta["test_index"]

@@ -76,6 +76,10 @@ def test_every_conflict_is_named_with_both_values(tmp_path):
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/no/such/dir"}}}, {}, {},
      "nvme_path=/no/such/dir .* is not a writable directory"),
     (None, {}, {"train.mixed_precision": "fp16"}, "fp16 needs a CUDA GPU"),
+    ({"pipeline": {"stages": 2}, "optimizer": {"type": "AdamW"}}, {}, {}, "has an optimizer or scheduler block"),
+    ({"pipeline": {"stages": 2}}, {}, {"model.gradient_checkpointing": "true"},
+     "model.gradient_checkpointing under the pipeline"),
+    ({"pipeline": {"stages": 2}}, {}, {"train.compile": "true"}, "train.compile under the pipeline engine"),
 ])
 def test_impossible_combinations_are_refused(tmp_path, ds, env, overrides, reason):
     with pytest.raises(ConfigError, match=reason):

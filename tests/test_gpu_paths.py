@@ -209,7 +209,8 @@ def test_collectives_get_the_recipes_timeout(monkeypatch):
     cfg = load_config(RECIPE, ["train.collective_timeout_s=42", "train.global_batch_size=64",
                                "train.micro_batch_size=32"])
     with pytest.raises(Stop):
-        build_accelerator(cfg, resolve_run(cfg, LaunchPlan(on_gpu=False), 2), REPO / "runs/unused")
+        build_accelerator(resolve_run(cfg, LaunchPlan(on_gpu=False), 2), REPO / "runs/unused", train=cfg.train,
+                          optim=cfg.optim, trackers=cfg.logging.trackers, pin_memory=cfg.data.pin_memory)
     handler = seen["InitProcessGroupKwargs"]
     assert isinstance(handler, InitProcessGroupKwargs) and handler.timeout == timedelta(seconds=42)
     assert handler.backend == "gloo"

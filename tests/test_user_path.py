@@ -311,7 +311,8 @@ def test_prepared_data_is_what_tokenizing_gives_and_every_rank_maps_it(tmp_path,
     assert meta["splits"]["train"] > 1000 and meta["peak_rss_mb"]["main"] > 0
     cfg = load_config(REPO / "recipes/tiny-mlm.yaml", args)
     validate(cfg)
-    _, fresh, _, _ = prepare_data(cfg, tmp_path / "fresh", True, lambda: None)
+    _, fresh, _, _ = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path, cfg.run.seed,
+                                  tmp_path / "fresh", True, lambda: None)
     mapped = DatasetDict.load_from_disk(str(prepared / "data"))
     assert len(mapped["train"]) == len(fresh["train"]) and mapped["train"][:50] == fresh["train"][:50]
     use = args + ["data.source=prepared", f"data.prepared_dir={prepared}"]

@@ -285,7 +285,8 @@ def measure(args, cfg) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world
     out_dir = Path(cfg.run.output_dir)
-    accelerator = build_accelerator(cfg, resolve_run(cfg, launch_plan, world), out_dir)
+    accelerator = build_accelerator(resolve_run(cfg, launch_plan, world), out_dir, train=cfg.train, optim=cfg.optim,
+                                    trackers=cfg.logging.trackers, pin_memory=cfg.data.pin_memory)
     config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
     model = build_model(cfg.model, cfg.task, config=config, packed_dropout=launch_plan.packed_dropout)
     shape = Shape.from_config(config, cfg.task.kind)

@@ -116,12 +116,14 @@ def make_corpus(path: Path, size: str, sample_dir: Path) -> int:
 
 
 def prepare(cfg, out: Path) -> dict:
-    signature = prepared_signature(cfg)   # before prepare_data, which may name text labels
+    signature = prepared_signature(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path)   # before prepare_data,
+    # which may name text labels
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     with AnonymousMemory() as anon:
-        tokenizer, data, _, test_index = prepare_data(cfg, tmp, True, lambda: None)
+        tokenizer, data, _, test_index = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path,
+                                                      cfg.run.seed, tmp, True, lambda: None)
         tokenized_s = time.perf_counter() - t0
         data.save_to_disk(str(tmp / "data"))
         tokenizer.save_pretrained(tmp / "tokenizer")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import ConfigError, OptimConfig, TrainConfig
 from . import deepspeed as ds_rules
 from . import fsdp as fsdp_rules
 from .consistency import check_trackers
@@ -38,10 +38,12 @@ def set_kernels(plan: LaunchPlan) -> str | None:
             "and dropout; cuDNN's attention, off for this run, would build a graph for every new shape)")
 
 
-def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
+def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, optim: OptimConfig,
+                      trackers: list[str], pin_memory: bool):
     """The Accelerator, with the settings the recipe owns (precision, accumulation, trackers), from a
     plan resolve_run has filled in (recipe and launch files already compared there). The backend
-    itself (DDP, DeepSpeed, FSDP) comes from the launch config."""
+    itself (DDP, DeepSpeed, FSDP) comes from the launch config. optim: a DeepSpeed JSON's clipping
+    "auto"; pin_memory: data.pin_memory, whether batches are copied without a host wait."""
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
                                   ProjectConfiguration)
@@ -52,8 +54,8 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
     # Every collective gives up after train.collective_timeout_s (a stuck rank, a lost node). On CPU
     # the backend must be named: otherwise Accelerate leaves it unset for DeepSpeed and sees 1 process.
     handlers = [] if world_size == 1 else [InitProcessGroupKwargs(
-        backend=None if on_gpu else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
-    check_trackers(cfg.logging.trackers)   # opened by the engine (logs.Trackers), the same on every backend
+        backend=None if on_gpu else "gloo", timeout=timedelta(seconds=train.collective_timeout_s))]
+    check_trackers(trackers)   # opened by the engine (logs.Trackers), the same on every backend
     if plan.deepspeed:
         ds_rules.ask_cpuinfo_once()
     accelerator = Accelerator(
@@ -64,12 +66,12 @@ def build_accelerator(cfg: Config, plan: LaunchPlan, output_dir: Path):
         step_scheduler_with_optimizer=False,   # the engine steps the schedule once per optimizer step
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         # non_blocking: pinned batches are copied to the GPU without making the host wait
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=cfg.data.pin_memory),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=pin_memory),
         kwargs_handlers=handlers,
-        dynamo_plugin=dynamo_plugin(cfg.train, plan),   # train.compile: Accelerate compiles in prepare
+        dynamo_plugin=dynamo_plugin(train, plan),   # train.compile: Accelerate compiles in prepare
     )
     check_engaged(accelerator, plan)
-    ds_rules.fill_deepspeed_autos(accelerator, cfg)
+    ds_rules.fill_deepspeed_autos(accelerator, optim)
     accelerator.swap_dirs = ds_rules.private_swap_dirs(accelerator, output_dir)
     if accelerator.num_processes != world_size:
         raise ConfigError(f"the launcher started {world_size} processes but Accelerate sees "

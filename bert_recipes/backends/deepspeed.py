@@ -21,7 +21,7 @@ import functools
 import os
 from pathlib import Path
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, OptimConfig
 from .plan import LaunchPlan
 
 DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ("lamb",)}
@@ -92,9 +92,8 @@ def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: i
                          f"gradient_clipping={plan.grad_clip_env}")
     # a JSON that owns the optimizer / schedule (Accelerate's templates): the recipe fills its "auto"s
     conflicts += ds_block_conflicts(cfg, ds, name)
-    if plan.pipeline and plan.zero_stage >= 2:
-        conflicts.append(f"pipeline parallelism with ZeRO-{plan.zero_stage} ({name}): DeepSpeed's pipeline engine "
-                         "supports ZeRO-0/1 only (stage 2/3 shard the gradients the pipeline accumulates)")
+    if plan.pipeline:
+        conflicts += pipeline_conflicts(cfg, plan, name)
     zero = ds.get("zero_optimization", {})
     for kind in ("offload_optimizer", "offload_param"):
         offload = zero.get(kind) or {}
@@ -104,6 +103,26 @@ def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: i
                 conflicts.append(f"{kind} to nvme needs nvme_path in {name}")
             elif not Path(path).is_dir() or not os.access(path, os.W_OK):
                 conflicts.append(f"{kind}.nvme_path={path} in {name} is not a writable directory on this machine")
+    return conflicts
+
+
+def pipeline_conflicts(cfg: Config, plan: LaunchPlan, name: str) -> list[str]:
+    """What DeepSpeed's pipeline engine (bert_recipes/pipeline.py) cannot run: it takes the recipe's own
+    optimizer and schedule, runs its stages itself (no torch.compile, its own activation checkpointing) and
+    accumulates whole gradients (ZeRO-0/1)."""
+    conflicts = []
+    if plan.zero_stage >= 2:
+        conflicts.append(f"pipeline parallelism with ZeRO-{plan.zero_stage} ({name}): DeepSpeed's pipeline engine "
+                         "supports ZeRO-0/1 only (stage 2/3 shard the gradients the pipeline accumulates)")
+    if {"optimizer", "scheduler"} & set(plan.ds_config):
+        conflicts.append(f"{name} has an optimizer or scheduler block: the pipeline engine takes the recipe's own "
+                         "(optim section); remove the block from the JSON")
+    if cfg.model.gradient_checkpointing:
+        conflicts.append("model.gradient_checkpointing under the pipeline: use the DeepSpeed JSON's "
+                         "pipeline.activation_checkpoint_interval instead")
+    if cfg.train.compile:
+        conflicts.append("train.compile under the pipeline engine: DeepSpeed's pipeline runs its stages itself; "
+                         "set train.compile=false")
     return conflicts
 
 
@@ -156,7 +175,7 @@ def ds_schedule_values(o, ds_type: str, warmup, total) -> dict:
     return values if ds_type == "WarmupLR" else {**values, "total_num_steps": total}
 
 
-def deepspeed_owned(accelerator, cfg: Config, module, optimizer, scheduler, recipe_schedule):
+def deepspeed_owned(accelerator, o: OptimConfig, module, optimizer, scheduler, recipe_schedule):
     """When the DeepSpeed JSON has an optimizer and/or scheduler block: Accelerate's DummyOptim /
     DummyScheduler in place of the recipe's objects, every "auto" filled from the recipe (total steps
     included: Accelerate's own fill would divide them by the world size). recipe_schedule(optimizer):
@@ -167,7 +186,7 @@ def deepspeed_owned(accelerator, cfg: Config, module, optimizer, scheduler, reci
     ds = plugin.deepspeed_config if plugin is not None else {}
     if "optimizer" not in ds and "scheduler" not in ds:
         return optimizer, scheduler, None
-    o, said = cfg.optim, []
+    said = []
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
         for key, value in (("lr", o.lr), ("betas", list(o.betas)), ("eps", o.eps), ("weight_decay", o.weight_decay)):
@@ -201,7 +220,7 @@ def deepspeed_owned(accelerator, cfg: Config, module, optimizer, scheduler, reci
     return optimizer, scheduler, "[optim] " + "; ".join(said)
 
 
-def fill_deepspeed_autos(accelerator, cfg: Config) -> None:
+def fill_deepspeed_autos(accelerator, optim: OptimConfig) -> None:
     """Accelerate fills an "auto" gradient_clipping with 1.0 whatever the script wants; make the
     recipe the source instead (0 disables clipping, as in DeepSpeed). Under optimizer offload the
     recipe's optimizer is used as built (optim.cpu_adam picks DeepSpeed's CPU Adam or torch's AdamW):
@@ -212,7 +231,7 @@ def fill_deepspeed_autos(accelerator, cfg: Config) -> None:
         return
     ds = plugin.deepspeed_config
     if ds.get("gradient_clipping", "auto") == "auto":
-        ds["gradient_clipping"] = cfg.optim.max_grad_norm
+        ds["gradient_clipping"] = optim.max_grad_norm
     ds.setdefault("zero_force_ds_cpu_optimizer", False)
 
 
