@@ -51,7 +51,8 @@ def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datas
     """preflight resolves the plan (backends.consistency.resolve_run): world, replicas, accumulation, precision,
     TF32 and the dropout masks; the recipe is compared with the launch files there, once, and the
     engines read the result. Followed on a real one-process run (tools/config_path.py): the config
-    never goes back into a module already on the call stack."""
+    never goes back into a module already on the call stack, and the parts that build and run (engine,
+    data, model, optimizer, results) take their sections, never the whole Config."""
     from accelerate.state import AcceleratorState, GradientState
 
     from bert_recipes.backends.consistency import resolve_run
@@ -81,6 +82,10 @@ def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datas
     assert calls.count("bert_recipes/backends/consistency.py:check_consistency") == 1, calls
     assert calls.count("bert_recipes/config.py:grad_accum_steps") == 1, calls
     assert result["cycles"] == [] and "bert_recipes/engine.py" in result["files"]
+    # the whole tree goes only to what judges the recipe as a whole (docs/config.md): validate and its
+    # helpers, the preflight and the plan's checks, and the memory planner; the rest take their sections
+    judges = ("config.", "preflight.", "consistency.", "deepspeed.", "memory.", "activations.workload_of")
+    assert result["whole"] and all(f.startswith(judges) for f in result["whole"]), result["whole"]
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 

@@ -14,7 +14,8 @@ not a hand-over.
   one (config.py > backends/plan.py, say), a layer being a file's height in our module-level imports
   (config.py imports none of ours: 0; backends/plan.py imports config.py: 1; ...). A path that goes
   down once, train.py > engine > backend > config, has none; every bounce adds one;
-- cycles: calls into a file already on the call stack below the caller (a lower layer calling up).
+- cycles: calls into a file already on the call stack below the caller (a lower layer calling up);
+- whole: the functions below train.py that receive the whole Config rather than a section.
 Run it on any commit (git worktree) to compare before and after a change.
 """
 from __future__ import annotations
@@ -75,6 +76,7 @@ def layers() -> dict[str, int]:
 
 class Tracer:
     def __init__(self, cfg):
+        self.whole = id(cfg)
         self.ids = {id(cfg)} | {id(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
         self.calls: list[dict] = []
 
@@ -95,7 +97,8 @@ class Tracer:
             up = up.f_back
         caller = stack[0] if stack else None
         below = [f for f in stack[1:] if f is not None]
-        self.calls.append({"callee": callee, "function": code.co_name, "caller": caller,
+        whole = any(id(frame.f_locals.get(n)) == self.whole for n in carried)
+        self.calls.append({"callee": callee, "function": code.co_name, "caller": caller, "whole": whole,
                            "back_up": callee != caller and callee in below})
 
 
@@ -125,7 +128,9 @@ def summary(calls: list[dict]) -> dict:
             "layers": {f: layer.get(f) for f in files},
             "cycles": [f"{c['caller']} -> {c['callee']}:{c['function']}" for c in calls if c["back_up"]],
             "visits": {f: stops.count(f) for f in files},
-            "functions": [f"{c['callee']}:{c['function']}" for c in calls]}
+            "functions": [f"{c['callee']}:{c['function']}" for c in calls],
+            "whole": sorted({f"{Path(c['callee']).stem}.{c['function']}" for c in calls
+                             if c["whole"] and c["callee"] != "train.py"})}
 
 
 def main(argv: list[str]) -> int:
@@ -152,6 +157,8 @@ def main(argv: list[str]) -> int:
     print("  visits:  " + ", ".join(f"{Path(f).stem} {n} (layer {result['layers'][f]})"
                                     for f, n in sorted(result["visits"].items(), key=lambda x: -x[1])))
     print("  back up: " + ", ".join(result["back_up"]))
+    print(f"  whole:   {len(result['whole'])} functions below train.py take the whole Config: "
+          + ", ".join(result["whole"]))
     for trip in result["cycles"]:
         print(f"  cycle:   {trip}")
     if args.json:

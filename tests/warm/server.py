@@ -157,6 +157,22 @@ def serve(socket_path: str, log_path: str, own_env: dict, added: dict) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def set_streams(unbuffered: bool) -> None:
+    """Standard streams over the requester's descriptors, buffered as a fresh interpreter's: -u (or
+    PYTHONUNBUFFERED) writes through to the descriptor; else stdout is line-buffered on a terminal and
+    block-buffered otherwise, stderr line-buffered."""
+    import io
+    encoding = sys.__stdout__.encoding   # the locale's, as a fresh interpreter picks it
+    for fd, name, errors in ((1, "stdout", "strict"), (2, "stderr", "backslashreplace")):
+        raw = io.FileIO(fd, "w", closefd=False)
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        stream = io.TextIOWrapper(binary, encoding=encoding, errors=errors, write_through=unbuffered,
+                                  line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)))
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding=encoding)
+
+
 def run_child(request: dict, fds: list[int], conn: socket.socket, inherited: list[socket.socket], added: dict) -> None:
     """In the forked child: become the requester's twin and run its script as __main__."""
     code = 1
@@ -175,9 +191,7 @@ def run_child(request: dict, fds: list[int], conn: socket.socket, inherited: lis
         env = {**added, **request["env"]}
         os.environ.clear()
         os.environ.update(env)
-        unbuffered = request["unbuffered"] or bool(env.get("PYTHONUNBUFFERED"))
-        sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=unbuffered)
-        sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
+        set_streams(request["unbuffered"] or bool(env.get("PYTHONUNBUFFERED")))
         script = os.path.abspath(request["argv"][0])
         sys.argv = list(request["argv"])
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) not in sys.path]
