@@ -33,14 +33,15 @@ BIN = Path(sys.prefix) / "bin"
 # Variables the server's imports do not read (each is read when a run starts, or only by our own tools):
 # what accelerate launch sets (ACCELERATE_*, FSDP_*, and PYTHONPATH for DeepSpeed, applied to the child's
 # sys.path), torch's elastic agent, make and the Makefile, the SLURM stand-ins, the tests' and tools' own
-# (ARGS, PYTHON, OUT, HARNESS_SCRIPT, GPUS_PER_NODE), inductor's pointer for its compiled code (set in the
+# (ARGS, PYTHON, OUT, HARNESS_SCRIPT, GPUS_PER_NODE), the venv's activation, inductor's pointer for its compiled code (set in the
 # process that compiled, inherited as a cold process would), pytest's test name and terminal size.
 LAUNCH_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
                     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_NVML_BASED_CUDA_CHECK", "PYTHONPATH",
                     "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "_", "PWD", "OLDPWD", "SHLVL", "MAKEFLAGS",
                     "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "PATH", "COLUMNS", "LINES", "PYTHON", "OUT",
-                    "HARNESS_SCRIPT", "GPUS_PER_NODE", "CPU", "SCONTROL_LOG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+                    "HARNESS_SCRIPT", "GPUS_PER_NODE", "CPU", "SCONTROL_LOG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                    "VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT"}   # a batch script that activates the venv (slurm/*.sbatch)
 # make exports the variables given on its command line (make demo RUNS=...): the Makefile's own, read by make
 LAUNCH_VARIABLES |= set(re.findall(r"^([A-Z_]+)\s*\?=", (REPO / "Makefile").read_text(), re.M))
 LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_", "PET_", "SLURM_", "NCCL_", "BERT_RECIPES_",
