@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1
 # checkpoint and exit (SIGUSR1: SLURM's --signal=USR1@120; without it the launcher would just die).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
-.PHONY: help setup demo test bench prepare glue env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
+.PHONY: help setup demo test bench prepare glue doctor env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -75,6 +75,11 @@ col       = $(shell awk -F'\t' '$$1=="$(1)" {print $$$(2)}' $(BACKENDS))
 # documentation; Accelerate would start 8 ranks on a 4-GPU host, and the extra ones die).
 NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2,$(if $(filter-out 0,$(GPUS)),--num_processes $(GPUS))))
 CPU_ENV   = $(if $(CPU),$(filter-out -,$(call col,$@,4)))
+# On GPUs each rank is bound to the CPUs of its GPU's NUMA node (accelerate's ACCELERATE_CPU_AFFINITY: the YAML's
+# enable_cpu_affinity key is ignored by accelerate 1.15's launcher), unless CUDA_VISIBLE_DEVICES selects GPUs
+# accelerate would bind wrongly (tools/affinity.sh). AFFINITY=0 turns it off.
+AFFINITY ?= $(shell tools/affinity.sh)
+GPU_ENV   = $(if $(CPU),,ACCELERATE_CPU_AFFINITY=$(AFFINITY))
 MODE_CONFIG = $(or $(CONFIG),$(if $(CPU),$(filter-out -,$(call col,$@,3))),$(call col,$@,2))
 
 .PHONY: modes $(MODES)
@@ -87,7 +92,7 @@ GPU_ONLY_CHECK = $(if $(CPU),$(if $(filter gpu-only,$(call col,$@,3)),echo "conf
 $(SINGLE_HOST_MODES): setup
 	@$(GPU_ONLY_CHECK)
 	@$(CPU_ENV) $(PREFLIGHT) $(MODE_CONFIG) $(NPROC_ARG) -- --recipe $(RECIPE) $(ARGS)
-	$(CPU_ENV) $(LAUNCH) --config_file $(MODE_CONFIG) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
+	$(CPU_ENV) $(GPU_ENV) $(LAUNCH) --config_file $(MODE_CONFIG) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 
 # Multi-node rows: on each node, make multinode[-zero3] MACHINE_RANK=<0|1> MAIN_IP=<main node ip> (or use
 # slurm/, which fills these in from SLURM's variables). CPU=1 runs 2 "nodes" x 1 process on 127.0.0.1.
@@ -102,7 +107,7 @@ ifdef CPU
 	status=$$?; wait $$node1 || status=$$?; exit $$status
 else
 	@$(PREFLIGHT) $(MODE_CONFIG) $(if $(NPROC),--num_processes $(NPROC)) -- --recipe $(RECIPE) $(ARGS)
-	$(LAUNCH) --config_file $(MODE_CONFIG) --machine_rank $(MACHINE_RANK) \
+	$(GPU_ENV) $(LAUNCH) --config_file $(MODE_CONFIG) --machine_rank $(MACHINE_RANK) \
 		$(if $(MAIN_IP),--main_process_ip $(MAIN_IP)) $(if $(NPROC),--num_processes $(NPROC)) train.py --recipe $(RECIPE) $(ARGS)
 endif
 
@@ -113,6 +118,9 @@ GPUS      = $(eval GPUS := $(if $(wildcard /dev/nvidia[0-9]*)$(shell command -v 
 	$(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null),0))$(GPUS)
 DIAG_NPROC = $(or $(NPROC),$(if $(filter-out 0,$(GPUS)),$(GPUS),2))
 DIAG_ENV   = $(if $(filter-out 0,$(GPUS)),,ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1)
+
+doctor: setup  ## the node before a long run: driver, GPU count, PCIe, NVLink, clocks/throttle, ECC, RAM, cores, NUMA, disk, NCCL env, versions (RECIPE=, CONFIG=, ARGS=--json)
+	$(PY) tools/doctor.py $(if $(filter-out file,$(origin RECIPE))$(CONFIG),--recipe $(RECIPE)) $(if $(CONFIG),--config $(CONFIG)) $(if $(NPROC),--nproc $(NPROC)) $(ARGS)
 
 env-check: setup  ## versions, GPUs, topology, P2P matrix, NCCL variables, buildable DeepSpeed ops (ARGS=--json)
 	$(PY) tools/env_check.py $(ARGS)

@@ -46,8 +46,9 @@ from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler
-from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table,
-                               start_profiler)
+from bert_recipes.doctor.nvml import start_sampler
+from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table, rank_extremes,
+                               start_profiler, utilisation_text)
 from bert_recipes.preflight import preflight, same_on_every_rank
 from bert_recipes.rank0 import on_rank0
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
@@ -79,6 +80,7 @@ class Run:
     stop_signal: int = 0           # the signal every rank agreed to stop on (0: none)
     guard: StepGuard | None = None
     audit: SyncAudit | None = None   # logging.sync_audit
+    sampler: Any = None              # logging.gpu_sampler on GPUs (bert_recipes/doctor/nvml.Sampler)
     batch_shapes: set = field(default_factory=set)   # every (batch, length) this rank fed the model
 
 
@@ -213,6 +215,10 @@ def train(run: Run) -> None:
     run.guard = StepGuard(cfg.train.max_bad_steps, state.get("skipped_steps", 0))
     agreement = StopAgreement(engine.control)
     audit = run.audit = SyncAudit(engine.on_gpu) if cfg.logging.sync_audit else None
+    if engine.on_gpu and cfg.logging.gpu_sampler:   # NVML in a thread: no host wait in the step
+        run.sampler, note = start_sampler(engine.device)
+        if note:
+            engine.print0(note)
     if engine.on_gpu:   # peak memory of training, not of loading and preparing
         torch.cuda.reset_peak_memory_stats()
     while state["step"] < run.stop_at and not run.stop_signal:
@@ -246,6 +252,8 @@ def train(run: Run) -> None:
             if step >= run.stop_at or run.stop_signal:
                 break
     agreement.close()
+    if run.sampler is not None:
+        run.sampler.stop()
     bar.close()
     if profiler is not None:
         profiler.stop()
@@ -272,7 +280,10 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
         row["host_syncs"] = run.audit.read_window()
         if engine.on_gpu:       # torch's sync debug mode, on in the steps
             row["sync_warnings"] = run.audit.read_warnings()
-    _, warning = watch.verdict(row["data_wait_share"], row["window_steps"], row["window_s"])
+    # the worst rank's data wait and, on GPUs, the sampler's window (one small all-reduce, at log steps only)
+    row.update(rank_extremes(row.pop("local_data_wait_share"), run.sampler.window() if run.sampler else None,
+                             engine.control))
+    _, warning = watch.verdict(row["data_wait_worst"], row["window_steps"], row["window_s"], row.get("gpu_busy_least_rank"))
     if warning:
         engine.print0(warning)
     memory = ""
@@ -286,7 +297,8 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
                   f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
                   f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
                   f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
-                  f"data-wait {row['data_wait_share']:.0%}" + memory)
+                  f"data-wait {row['data_wait_share']:.0%} (worst rank {row['data_wait_worst']:.0%})" + memory
+                  + utilisation_text(row, run.cfg.logging.dataloader_warn_share))
     return row
 
 

@@ -288,7 +288,12 @@ class LoggingConfig:
     """torch.profiler over steps 2-4 (wait 1, warmup 1, active 3): a TensorBoard trace in
     output_dir/profile and a printed top-10 of operators by self time. CLI: --profile."""
     dataloader_warn_share: float = 0.2
-    """Warn (once) when more than this share of step time is spent waiting for batches."""
+    """Warn (once) when more than this share of step time is spent waiting for batches, on the rank that
+    waits most (one slow rank holds every other one back)."""
+    gpu_sampler: bool = True
+    """On GPUs: NVML every 0.5 s in a background thread (GPU and memory busy, SM clock, temperature,
+    throttle reasons; bert_recipes/doctor/nvml.Sampler). Each log line gets the GPU's busy share and any
+    throttling, metrics.json the window's aggregates. It never touches a CUDA stream. Off on CPU runs."""
     plot: bool = True
     """Write curves.png (loss and eval metrics) to output_dir at the end."""
     sync_audit: bool = False

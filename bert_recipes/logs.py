@@ -107,6 +107,7 @@ class Throughput:
                "padded_tokens_per_sec": padded / elapsed,
                "step_time_s": elapsed / max(self.steps, 1),
                "data_wait_share": wait / (elapsed * max(ranks, 1)),
+               "local_data_wait_share": self.wait_s / elapsed if self.counts_data else 0.0,
                "window_s": elapsed, "window_steps": self.steps, "window_tokens": real}
         if self.step_times:
             out["step_times_ms"] = self._step_times_ms()

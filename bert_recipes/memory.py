@@ -39,6 +39,7 @@ class Plan:
     activations: int
     temporary: int
     notes: list[str] = field(default_factory=list)
+    host: int = 0   # bytes of host RAM a rank holds for offloaded states (CPU and NVMe offload rows)
 
     @property
     def peak(self) -> int:
@@ -56,6 +57,19 @@ class Launch:
     pipeline_zero: int = 1               # pipeline: the JSON's ZeRO stage (0 or 1)
     reduce_bucket: int | None = None     # DeepSpeed reduce_bucket_size (elements); None: Accelerate's hidden^2
     prefetch_bucket: int | None = None   # DeepSpeed stage3_prefetch_bucket_size; None: 0.9 hidden^2
+
+
+def bubble_line(stages: int, micro_batches: int) -> str:
+    """The pipeline's idle share in 1F1B: (stages - 1) / (micro batches + stages - 1) of a step, each stage
+    waiting while the first micro batch fills the pipe and the last drains it. Over 25%, the accumulation
+    (micro batches a step) that brings it under: m >= 3 (stages - 1)."""
+    share = (stages - 1) / (micro_batches + stages - 1)
+    line = (f"pipeline bubble: (stages - 1) / (micro batches + stages - 1) = {stages - 1}/{micro_batches + stages - 1}"
+            f" = {share:.0%} of each step idle")
+    if share > 0.25:
+        line += (f"; accumulation {3 * (stages - 1)} or more (a smaller micro batch, same global batch) brings it "
+                 "under 25%")
+    return line
 
 
 def pipeline_stages(launch: Launch) -> int:
@@ -138,9 +152,10 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
         temporary = 2 * reduce_bucket * k + logits_grad + (4 * shard if k == 2 else 0)
         if backend == "zero1":
             temporary += k * P
-        if backend.endswith("offload"):
-            notes.append(f"host RAM: {fmt(shard * 16)} fp32 gradient partition, master and moments per rank")
-        return Plan(backend, k * P, gradients, optimizer, activations, temporary, notes)
+        host = shard * 16 if backend.endswith("offload") else 0
+        if host:
+            notes.append(f"host RAM: {fmt(host)} fp32 gradient partition, master and moments per rank")
+        return Plan(backend, k * P, gradients, optimizer, activations, temporary, notes, host)
     if backend in ("zero3", "zero3-offload"):
         small = shape.small_params
         shard = math.ceil(P / n)
@@ -153,9 +168,10 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
         # Gathered weights: the layer running and the prefetched one, plus the prefetch bucket.
         gathered = 2 * shape.layer_params * k + (launch.prefetch_bucket or int(0.9 * h * h)) * k
         temporary = gathered + 2 * reduce_bucket * k + logits_grad
-        if offload:
-            notes.append(f"host RAM: {fmt(shard * (k + 16))} params, fp32 gradients, master and moments per rank")
-        return Plan(backend, parameters, gradients, optimizer, activations, temporary, notes)
+        host = shard * (k + 16) if offload else 0
+        if host:
+            notes.append(f"host RAM: {fmt(host)} params, fp32 gradients, master and moments per rank")
+        return Plan(backend, parameters, gradients, optimizer, activations, temporary, notes, host)
     if backend == "fsdp":
         # fp32 shards of weights, gradients and moments; unsharded while they run: the layer running
         # and the prefetched one (in the compute dtype), and one layer's gradients before the

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .guard import all_max
+
 # Dense peak FLOP/s per device from the vendors' datasheets (no sparsity): (16-bit tensor cores,
 # TF32 tensor cores, plain FP32). Matched as whole words of torch.cuda.get_device_name(), most
 # specific first, so "L4" is not "L40S" and an H100 PCIe is not an H100 SXM. Pre-Ampere GPUs have no
@@ -142,17 +144,47 @@ class DataLoaderWatch:
         self.threshold = threshold
         self.warned = False
 
-    def verdict(self, share: float, steps: int, window_s: float) -> tuple[float, str | None]:
-        """share: of the window's time spent waiting for batches (all ranks). -> (share, warning
-        text the first time it exceeds the threshold, else None)."""
+    def verdict(self, share: float, steps: int, window_s: float, busy: float | None = None) -> tuple[float, str | None]:
+        """share: of the window's time the rank that waited most spent waiting for batches (one slow rank
+        holds the others back at the next collective); busy: the least busy GPU's busy share (%), where
+        sampled. -> (share, warning text the first time it exceeds the threshold, else None)."""
         if share <= self.threshold or self.warned:
             return share, None
         self.warned = True
+        gpu = f"; the least busy GPU was busy {busy:.0f}% of the time: input-bound" if busy is not None else ""
         lines = [f"[data] WARNING: the data loader is starving the model: {share:.0%} of the last {steps} steps "
-                 f"({window_s:.1f}s) was spent waiting for batches (threshold {self.threshold:.0%}). Remedies, "
-                 "cheapest first:"]
+                 f"({window_s:.1f}s) was spent waiting for batches on the rank that waited most (threshold "
+                 f"{self.threshold:.0%}){gpu}. Remedies, cheapest first:"]
         lines += [f"         {n}. {r}" for n, r in enumerate(self.REMEDIES, 1)]
         return share, "\n".join(lines)
+
+
+def rank_extremes(local_wait: float, gpu: dict | None, group) -> dict:
+    """At a log step: the worst rank's data wait and, where the GPU sampler runs (bert_recipes/doctor/nvml.Sampler),
+    the least busy GPU, the hottest, and whether any rank saw a hardware slowdown: one small all-reduce (MAX) on
+    the control group, every rank taking part with the same four values."""
+    from .doctor.gpu import THROTTLE_FAIL, THROTTLE_WARN
+    bad = sum(THROTTLE_FAIL) + sum(THROTTLE_WARN)
+    worst_wait, least_busy, hottest, throttled = all_max(
+        [local_wait, -gpu["busy_mean"] if gpu else -101.0, gpu["temp_max"] if gpu else 0.0,
+         float(gpu["throttle"] & bad) if gpu else 0.0], group)
+    out = {"data_wait_worst": worst_wait}
+    if gpu:
+        names = [text for bit, text in {**THROTTLE_FAIL, **THROTTLE_WARN}.items() if int(throttled) & bit]
+        out.update(gpu_busy=gpu["busy_mean"], gpu_busy_min=gpu["busy_min"], gpu_busy_least_rank=-least_busy,
+                   gpu_mem_busy=gpu["mem_busy_mean"], gpu_temp_max=hottest, gpu_sm_clock_min=gpu["sm_clock_min"],
+                   gpu_throttle=gpu["throttle"], gpu_throttled=", ".join(names))
+    return out
+
+
+def utilisation_text(row: dict, threshold: float) -> str:
+    """The log line's part for the GPU sampler: busy share, a verdict, any throttling."""
+    if "gpu_busy" not in row:
+        return ""
+    bound = ("input-bound" if row["data_wait_worst"] > threshold else
+             "GPU-bound" if row["gpu_busy_least_rank"] >= 90 else "neither input- nor GPU-bound")
+    text = f" GPU busy {row['gpu_busy']:.0f}% (least busy rank {row['gpu_busy_least_rank']:.0f}%, {bound})"
+    return text + (f" THROTTLED: {row['gpu_throttled']}" if row["gpu_throttled"] else "")
 
 
 def start_profiler(output_dir, on_gpu: bool, say=print):

@@ -29,11 +29,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .backends.accelerator import cpu_affinity
 from .batching import Indexed
 from .config import ConfigError, DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import write_export
 from .guard import control_group, slow_barrier
 from .logs import Trackers
+from .memory import bubble_line
 from .metrics import joined_rows
 from .modeling import batch_rows, masked_lm_loss, predictions
 from .rng import load_rng_state, save_rng_state
@@ -224,7 +226,7 @@ class PipelineEngine:
         self.setup_line = (f"DeepSpeed pipeline engine, {self.stages} stages x {self.replicas} data-parallel replicas = "
                            f"{world} processes, precision={plan.precision}; global batch "
                            f"{train.global_batch_size} = micro {train.micro_batch_size} x accum {self.accum} "
-                           f"x dp {self.replicas}")
+                           f"x dp {self.replicas}; {bubble_line(self.stages, self.accum)}")
         if kernels:
             self.print0(kernels)
 
@@ -315,7 +317,8 @@ class PipelineEngine:
                 "data_parallel_size": self.replicas, "stage_id": self.engine.stage_id,
                 "zero_stage": self.engine.zero_optimization_stage(), "local_param_numel": local,
                 "full_param_numel": self.full_param_numel, "params_sharded": local < self.full_param_numel,
-                "layers_per_stage": [int(b) - int(a) for a, b in zip(parts[:-1], parts[1:])]}
+                "layers_per_stage": [int(b) - int(a) for a, b in zip(parts[:-1], parts[1:])],
+                "cpu_affinity": cpu_affinity(self.on_gpu)}
         everyone = [None] * self.num_processes
         self.dist.all_gather_object(everyone, {"stage_id": info["stage_id"], "local_param_numel": local})
         return {**info, "ranks": everyone}

@@ -22,7 +22,10 @@ main_port=${MASTER_PORT:-29500}
 # and exit (143 / 138); it then gives them this long before SIGKILL.
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
-echo "[slurm] node $node_rank/$nodes: $gpus processes, main $main_addr:$main_port, $config, $recipe"
+# Each rank bound to its GPU's NUMA node, unless CUDA_VISIBLE_DEVICES selects GPUs that accelerate would bind
+# wrongly (tools/affinity.sh); ACCELERATE_CPU_AFFINITY=0 in the job's environment turns it off.
+export ACCELERATE_CPU_AFFINITY=${ACCELERATE_CPU_AFFINITY:-$(tools/affinity.sh)}
+echo "[slurm] node $node_rank/$nodes: $gpus processes, main $main_addr:$main_port, $config, $recipe, CPU affinity $ACCELERATE_CPU_AFFINITY"
 resume=()
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(--resume auto); fi
 exec accelerate launch --config_file "$config" --num_machines "$nodes" --machine_rank "$node_rank" \

@@ -107,7 +107,7 @@ def test_the_warm_start_changes_nothing_a_run_computes(ddp_reference, runs, samp
 
 def timed(key: str) -> bool:
     """A history column that measures time (throughput, waits), not what was computed."""
-    return key.endswith(("_per_sec", "_s", "_share")) or key == "mfu"
+    return key.endswith(("_per_sec", "_s", "_share", "_worst")) or key == "mfu"
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"])
@@ -249,7 +249,8 @@ def test_pipeline_row(row_run, ddp_reference):
     assert all(r["local_param_numel"] < backend["full_param_numel"] for r in backend["ranks"]), backend
     losses = [r["loss"] for r in metrics["history"]["train"]]
     assert losses[-1] < losses[0] - 0.3, losses
-    assert all(0 < r["mfu"] < 1 and 0 <= r["data_wait_share"] < 1 for r in metrics["history"]["train"])
+    assert all(0 < r["mfu"] < 1 and 0 <= r["data_wait_share"] <= r["data_wait_worst"] + 1e-9 < 1
+               for r in metrics["history"]["train"])   # the worst rank's wait: stage 0 (the later one has no loader)
     assert final["eval_samples"] == final["eval_dataset_size"]
     assert_matches_ddp(out, ddp_reference[0])
     from transformers import AutoModelForMaskedLM

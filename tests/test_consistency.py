@@ -147,9 +147,12 @@ def test_make_targets_use_the_tables_cpu_launch_rule():
         assert line.startswith(row.cpu_env + " ") and f"--config_file {row.cpu_config} " in line, line
         assert ("DS_ACCELERATOR=cpu" in line) == (row.plan.kind in ("deepspeed", "pipeline")), line
         assert "ACCELERATE_USE_CPU" not in line or "DS_ACCELERATOR" not in line, line
-        gpu_line = subprocess.run(["make", "-n", name], cwd=REPO, capture_output=True, text=True,
-                                  check=True).stdout.strip().splitlines()[-1]
+        gpu_line = subprocess.run(["make", "-n", name], cwd=REPO, capture_output=True, text=True, check=True,
+                                  env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+                                  ).stdout.strip().splitlines()[-1]
         assert f"--config_file {row.config} " in gpu_line and "ACCELERATE_USE_CPU" not in gpu_line, gpu_line
+        # GPU launches bind each rank to its GPU's NUMA node; CPU ones do not ask
+        assert gpu_line.startswith("ACCELERATE_CPU_AFFINITY=1 ") and "AFFINITY" not in line, (gpu_line, line)
     env = backend_rows()["zero2"].cpu_launch_env({"ACCELERATE_USE_CPU": "1", "PATH": "/bin"})
     assert env == {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PATH": "/bin"}
 

@@ -36,6 +36,9 @@ def test_the_rehearsal_writes_what_the_gpu_session_returns(tmp_path):
     assert all(r["sequences_per_s"] > 0 and 0 <= r["data_wait"] < 1 and (r["launch_s"] is None or r["launch_s"] > 0)
                for r in rows.values())
     assert len(must["ratios"]) == 2 and must["auto"]["over_eager_trainer"] > 0
+    doctor = json.loads((out / "must/doctor.json").read_text())   # make doctor: on CPU its one no-GPU line
+    assert must["doctor"]["exit_code"] == doctor["exit_code"] == 0 and doctor["readings"]["host"]["cpus"] >= 1
+    assert [c["name"] for c in doctor["checks"] if c["status"] != "ok"] == ["gpu"], doctor["checks"]
     assert "Self CPU" in (out / "must/profile.md").read_text()   # the eager row's warmup steps, profiled
     assert must["sync"]["processes"] == 2 and must["sync"]["host_waits_per_window"] == [0, 0, 0], must["sync"]
     assert "host_syncs" in (out / "must/sync_debug.log").read_text() or (out / "must/sync_debug.log").stat().st_size

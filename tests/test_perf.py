@@ -63,6 +63,9 @@ def test_slow_data_loader_is_called_out_once(tmp_path, sample_dir, datasets_cach
     assert all(r["data_wait_share"] > 0.3 for r in history), [r["data_wait_share"] for r in history]
     assert out.count("the data loader is starving the model") == 1
     assert "raise data.num_workers" in out and "pre-tokenize" in out
+    # one process: its wait is the worst rank's; a CPU run samples no GPU (logging.gpu_sampler is GPU-only)
+    assert all(abs(r["data_wait_worst"] - r["data_wait_share"]) < 1e-6 for r in history), history
+    assert not any("gpu_busy" in r for r in history) and "GPU busy" not in out
 
 
 def test_fast_data_loader_stays_quiet_and_mfu_is_reported(tmp_path, sample_dir, datasets_cache, shared_tokenizer,

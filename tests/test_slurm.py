@@ -17,7 +17,8 @@ VENV_BIN = Path(os.sys.executable).parent
 
 
 def slurm_env(extra: dict) -> dict:
-    return {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return {**env, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1", **extra}
 
 
@@ -42,6 +43,9 @@ def test_launch_line_runs_two_nodes(config, cpu_env, backend, tmp_path, sample_d
     assert "[slurm] node 0/2: 1 processes, main 127.0.0.1" in logs[0] and "[slurm] node 1/2" in logs[1]
     final = json.loads((out / "metrics.json").read_text())["final"]
     assert final["num_processes"] == 2 and final["backend"]["name"] == backend and final["steps"] == 8
+    # launch.sh asks accelerate to bind each rank to its GPU's NUMA node (no CUDA_VISIBLE_DEVICES here), and
+    # the ranks see it; with no GPU accelerate has nothing to bind
+    assert "CPU affinity 1" in logs[0] and final["backend"]["cpu_affinity"] == "asked, nothing to bind (no GPU)"
     assert logs[1].count("[done]") == 0 and logs[0].count("[done]") == 1   # output once, from global rank 0
 
 

@@ -19,7 +19,8 @@ evaluation, checkpoint and export are dropped) plus its own work. The plan is pr
 refused when a part's sum exceeds PART_S. Scratch (checkpoints, caches, prepared data) goes to a
 temporary directory; OUT gets at most 8 files and no folder, each written as its step ends:
 session.md (versions, the plan, every figure and every failure line), session.json (the same as
-data), bench.jsonl, bench.md, profile.md, sync_debug.log (must), smoke.md (rest).
+data), bench.jsonl, bench.md, profile.md, sync_debug.log, doctor.json (must: make doctor's verdicts
+and NVML readings under its burn), smoke.md (rest).
 """
 from __future__ import annotations
 
@@ -146,6 +147,29 @@ def versions(session: Session, step: Step) -> None:
         smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=20)
         session.versions["gpu"] = smi.stdout.strip() or smi.stderr.strip()[:200]
+    if session.part == "must":
+        doctor(session, DOCTOR_S)
+
+
+DOCTOR_S = 15   # the node doctor: torch and NVML up, a 5 s bf16 burn on the GPU, the readings
+
+
+def doctor(session: Session, limit_s: int) -> None:
+    """make doctor with its burn (tools/doctor.py --json): every verdict and the NVML readings into OUT's
+    doctor.json (on CPU processes: the one no-GPU line and the host). A failing check is a finding, not a
+    failed step: its lines go to the session's figures."""
+    cmd = [session.python(), "tools/doctor.py", "--json", "--burn", "0" if session.rehearse else "5"]
+    try:
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=limit_s * session.scale)
+    except subprocess.TimeoutExpired:
+        raise StepFailed(f"the node doctor ran past {limit_s * session.scale} s")
+    if done.returncode not in (0, 1):
+        raise StepFailed("the node doctor: " + (done.stderr.strip().splitlines() or ["no output"])[-1])
+    result = json.loads(done.stdout)
+    (session.out / "doctor.json").write_text(json.dumps(result, indent=1) + "\n")
+    session.figures["doctor"] = {"exit_code": result["exit_code"],
+                                 "not_ok": [f"{c['status']} {c['name']}: {c['measured']}" for c in result["checks"]
+                                            if c["status"] != "ok"]}
 
 
 def bench(session: Session, step: Step) -> None:
@@ -239,7 +263,7 @@ def parts() -> dict[str, list[Step]]:
     must, rest = gpu_rows("gpu-must", True, {}), gpu_rows("gpu-rest", True, {})
     # +5: reading the carried data; without it (no .gpu_data) preparing it here takes PREP_S more
     bench_work = lambda rows: sum(r["limit_s"] for r in rows) + 5   # noqa: E731
-    return {"must": [Step("versions, imports, GPU", 0, 15, versions),
+    return {"must": [Step("versions, imports, GPU; the node doctor", 0, 15 + DOCTOR_S, versions),
                      Step("bench: auto micro batch, eager and compiled, against the Trainer", 1, bench_work(must), bench,
                           must),
                      Step("host waits: 12 steps with logging.sync_audit and torch's sync debug mode", 1, 15, sync_debug)],

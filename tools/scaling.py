@@ -13,11 +13,24 @@ with the same work per process, the extra time per step is communication and syn
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import REPO, add_run_arguments, rows, run_row   # noqa: E402  (same launcher as gpu-check)
+
+
+def yardsticks(results: list[dict]) -> list[str]:
+    """Each count's efficiency against the guides' figure for the link the doctor finds (bert_recipes/doctor)."""
+    from bert_recipes.doctor import judge
+    from bert_recipes.doctor.gpu import link_of, scaling_verdict
+    from bert_recipes.doctor.nvml import read_gpus
+    gpu, _ = read_gpus(0)
+    readings = {"gpu": gpu, "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    suspects = [c.line() for c in judge(readings) if c.status != "ok"
+                and c.name.split()[0] in ("pcie", "topology", "clocks", "env", "gpu")]
+    return ["yardstick: " + scaling_verdict(r["n"], r["efficiency"], link_of(gpu), suspects) for r in results]
 
 
 def main():
@@ -30,7 +43,7 @@ def main():
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("no GPU visible: use --cpu to measure CPU processes")
     args.precision = args.precision or ("no" if args.cpu else "bf16")
-    devices = (__import__("os").cpu_count() or 1) if args.cpu else torch.cuda.device_count()
+    devices = (os.cpu_count() or 1) if args.cpu else torch.cuda.device_count()
     counts = [int(c) for c in args.counts.split(",")] if args.counts else \
         [2 ** k for k in range(8) if 2 ** k <= devices]
     row = next((r for r in rows() if r.name == args.backend), None)
@@ -56,6 +69,8 @@ def main():
         r["overhead"] = max(0.0, 1 - r["steps_per_s"] / base["steps_per_s"])   # same work per process
         lines.append(f"| {r['n']} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
                      f"{r['efficiency']:.0%} | {r['overhead']:.0%} |")
+    if not args.cpu:
+        lines += ["", *yardsticks(results)]
     text = "\n".join(lines)
     print(text)
     (work / "scaling.md").write_text(text + "\n")

@@ -5,6 +5,7 @@ backends/deepspeed.py and backends/fsdp.py."""
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -140,10 +141,22 @@ def describe(accelerator, model, full_param_numel: int) -> dict:
         info.update(ds_rules.describe_deepspeed(model, unwrapped))
     if accelerator.distributed_type == DistributedType.FSDP:
         info.update(fsdp_rules.describe_fsdp(accelerator))
+    info["cpu_affinity"] = cpu_affinity(accelerator.device.type == "cuda")
     plugin = accelerator.state.dynamo_plugin   # train.compile (dynamo_plugin)
     if plugin is not None and plugin.backend.value != "NO":
         info["compile"] = {"backend": plugin.backend.value.lower(), "mode": plugin.mode, "dynamic": plugin.dynamic}
     return info
+
+
+def cpu_affinity(on_gpu: bool) -> str:
+    """Whether this rank was bound to its GPU's NUMA node: accelerate does it when the process starts with
+    ACCELERATE_CPU_AFFINITY=1 (the Makefile's GPU targets and slurm/launch.sh set it, tools/affinity.sh),
+    and only where CUDA is available."""
+    if os.environ.get("ACCELERATE_CPU_AFFINITY") != "1":
+        return "off"
+    if not on_gpu:
+        return "asked, nothing to bind (no GPU)"
+    return f"on ({len(os.sched_getaffinity(0))} cores of {os.cpu_count()})"
 
 
 @contextlib.contextmanager
