@@ -214,6 +214,10 @@ def test_an_idle_read_and_unsupported_readings_are_warnings_not_crashes():
     checks = judge(node)
     assert by_name(checks, "pcie gpu0").status == "warn" and "not supported" in by_name(checks, "pcie gpu0").measured
     assert exit_code(checks) == 0
+    g["throttle"] = g["ecc_uncorrected"] = "unreadable: GPU is lost"   # any other NVML error: a line, not a crash
+    checks = judge(node)
+    assert [by_name(checks, f"{k} gpu0").status for k in ("clocks", "ecc")] == ["warn", "warn"]
+    assert "unreadable: GPU is lost" in by_name(checks, "ecc gpu0").measured
     node = copy.deepcopy(healthy())
     node["gpu"] = None
     node["gpu_error"] = "NVML cannot start"

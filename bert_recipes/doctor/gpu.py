@@ -115,7 +115,8 @@ def pcie_check(g: dict) -> Check:
     p, name = g.get("pcie") or {}, f"pcie gpu{g['index']}"
     gen, width, max_gen, max_width, gpu_gen = (p.get(k) for k in ("gen", "width", "max_gen", "max_width", "gpu_max_gen"))
     if not supported(gen, width, max_gen, max_width):
-        return Check(name, "warn", f"PCIe link not readable ({NOT_SUPPORTED} by NVML on this GPU)",
+        why = next(v for v in (gen, width, max_gen, max_width) if not supported(v))
+        return Check(name, "warn", f"PCIe link not readable (NVML: {why})",
                      fix="read it with `nvidia-smi -q -d PCIE` or `lspci -vv` (LnkSta)")
     said = f"Gen{gen} x{width} of Gen{max_gen} x{max_width}" + (
         f" (the GPU alone: Gen{gpu_gen})" if supported(gpu_gen) and gpu_gen != max_gen else "")
@@ -148,7 +149,7 @@ def clocks_check(g: dict) -> Check:
                                    f"{power:.0f} of {limit:.0f} W" if supported(power, limit) else None,
                                    "under load" if g.get("under_load") else "idle"]))
     if not supported(bits):
-        return Check(name, "warn", f"{said}; throttle reasons {NOT_SUPPORTED}", fix="watch `nvidia-smi -q -d "
+        return Check(name, "warn", f"{said}; throttle reasons {bits}", fix="watch `nvidia-smi -q -d "
                      "PERFORMANCE` during a run")
     hard = [text for bit, text in THROTTLE_FAIL.items() if bits & bit]
     soft = [text for bit, text in THROTTLE_WARN.items() if bits & bit]
@@ -171,7 +172,8 @@ def clocks_check(g: dict) -> Check:
 def ecc_check(g: dict) -> Check:
     name, errors, rows, pages = f"ecc gpu{g['index']}", g.get("ecc_uncorrected"), g.get("remapped"), g.get("retired")
     if not supported(errors):
-        return Check(name, "warn", f"ECC {NOT_SUPPORTED} or off: memory errors go unseen", "ECC on",
+        said = f"ECC {NOT_SUPPORTED} or off" if errors in (None, NOT_SUPPORTED) else f"ECC {errors}"
+        return Check(name, "warn", f"{said}: memory errors go unseen", "ECC on",
                      "a data-centre GPU: `nvidia-smi -e 1` and a reboot; a consumer GPU has none")
     said = f"{errors} uncorrected errors since the driver loaded"
     if isinstance(rows, dict):

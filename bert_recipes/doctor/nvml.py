@@ -13,15 +13,17 @@ from .verdict import NOT_SUPPORTED
 
 
 def _read(fn, *args):
-    """fn(*args), or "not supported" where NVML refuses the query on this GPU."""
+    """fn(*args); "not supported" where NVML refuses the query on this GPU (not supported, no permission,
+    not in this driver, an index past the GPU's links); "unreadable: <NVML's error>" for any other error
+    (a GPU fallen off the bus, say), so one bad reading is a line of the report, not a crash."""
     import pynvml
     try:
         return fn(*args)
     except pynvml.NVMLError as err:
         if err.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_NO_PERMISSION,
-                         getattr(pynvml, "NVML_ERROR_FUNCTION_NOT_FOUND", -1)):
+                         pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
             return NOT_SUPPORTED
-        raise
+        return f"unreadable: {err}"
 
 
 def _text(value):
@@ -66,7 +68,7 @@ def read_device(index: int, under_load: bool = False) -> dict:
     reading["power_w"] = power / 1000 if isinstance(power, int) else power          # NVML: milliwatts
     reading["power_limit_w"] = limit / 1000 if isinstance(limit, int) else limit
     rows = _read(n.nvmlDeviceGetRemappedRows, h)   # Ampere and later
-    if rows != NOT_SUPPORTED:
+    if not isinstance(rows, str):
         correctable, uncorrectable, pending, failure = rows
         reading["remapped"] = {"correctable": correctable, "uncorrectable": uncorrectable,
                                "pending": bool(pending), "failure": bool(failure)}
@@ -74,12 +76,12 @@ def read_device(index: int, under_load: bool = False) -> dict:
         single = _read(n.nvmlDeviceGetRetiredPages, h, n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
         double = _read(n.nvmlDeviceGetRetiredPages, h, n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
         pending = _read(n.nvmlDeviceGetRetiredPagesPendingStatus, h)
-        reading["retired"] = NOT_SUPPORTED if NOT_SUPPORTED in (single, double) else {
+        reading["retired"] = NOT_SUPPORTED if isinstance(single, str) or isinstance(double, str) else {
             "single_bit": len(single), "double_bit": len(double), "pending": pending == 1}
     active = 0
     for link in range(n.NVML_NVLINK_MAX_LINKS):
         state = _read(n.nvmlDeviceGetNvLinkState, h, link)
-        if state == NOT_SUPPORTED:
+        if isinstance(state, str):   # past the GPU's last link, or no NVLink at all
             break
         active += state == n.NVML_FEATURE_ENABLED
     reading["nvlink_active"] = active

@@ -31,7 +31,8 @@ NOT_SUPPORTED = "not supported"   # how a reading NVML refuses (NVML_ERROR_NOT_S
 
 
 def supported(*values) -> bool:
-    return all(v is not None and v != NOT_SUPPORTED for v in values)
+    """Every value a number: not missing, not "not supported", not "unreadable: ..." (nvml._read)."""
+    return all(v is not None and not isinstance(v, str) for v in values)
 
 
 def gib(n: float) -> str:
