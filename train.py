@@ -31,7 +31,8 @@ if __name__ == "__main__":   # a mistake in the recipe or its overrides: one lin
 import torch  # noqa: E402 (after the command line's check)
 
 from bert_recipes.backends.plan import launch_plan_here
-from bert_recipes.checkpoint import (check_shared_output_dir, read_train_state, resolve_resume, save_checkpoint,
+from bert_recipes.checkpoint import (check_shared_output_dir, read_train_state, resolve_resume, resume_layout, run_layout,
+                                     save_checkpoint, saved_layout,
                                      start_output_dir)
 from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
                                  schedule_warnings, to_dict, to_yaml, validate)
@@ -114,6 +115,11 @@ def main(cfg: Config) -> dict:
                                         lambda: resolve_resume(cfg.checkpoint.resume, output_dir))
     for note in notes + resume_notes:
         print0(note)
+    layout = run_layout(plan, cfg.train.micro_batch_size)   # saved with each checkpoint
+    if checkpoint is not None:   # another process count: DDP goes on (a line), sharded states are refused
+        changed = resume_layout(saved_layout(checkpoint), layout, checkpoint)
+        if changed:
+            print0(changed)
 
     # -------------------------------------------------------------------- data
     check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
@@ -152,6 +158,7 @@ def main(cfg: Config) -> dict:
         engine.load(checkpoint)
         run.state = read_train_state(checkpoint)
         print0(f"[resume] from {checkpoint} at step {run.state['step']}")
+    run.state["layout"] = layout
     if engine.is_main:   # every check has passed: the run starts writing
         start_output_dir(output_dir, config_yaml, cfg.run.overwrite, cfg.checkpoint.resume)
         tokenizer.save_pretrained(output_dir / "tokenizer")

@@ -99,6 +99,49 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> tuple[Path | N
     return path, []
 
 
+def run_layout(plan, micro_batch_size: int) -> dict:
+    """How a run is laid out over processes, saved with each checkpoint (train_state.json) so a resume can
+    tell what changed."""
+    return {"backend": plan.name, "kind": plan.kind, "world": plan.world, "replicas": plan.replicas,
+            "accum": plan.accum, "micro_batch_size": micro_batch_size}
+
+
+def saved_layout(checkpoint: Path) -> dict | None:
+    """The layout a checkpoint was saved with; for one saved before layouts were recorded, the world size
+    counted from Accelerate's per-process RNG files (None when neither is there)."""
+    state = read_train_state(checkpoint)
+    if "layout" in state:
+        return state["layout"]
+    worlds = len(list(Path(checkpoint).glob("random_states_*.pkl")))
+    return {"world": worlds} if worlds else None
+
+
+def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None:
+    """A resume on another number of processes. DDP continues: the global batch is the recipe's, the
+    accumulation follows the world size, and the micro batches' global order is a function of (run.seed,
+    epoch), so step k trains on the same sequences (-> the line saying so). Sharded optimizer states
+    (ZeRO, FSDP, the pipeline's stages) are refused in one line before any rank trains: this version does
+    not re-partition them (docs/checkpoints.md)."""
+    if not saved or saved.get("world") in (None, now["world"]):
+        return None
+    was, kind = saved["world"], saved.get("kind", now["kind"])
+    if kind != "ddp" or now["kind"] != "ddp":
+        raise ConfigError(
+            f"checkpoint.resume: {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])} "
+            f"and this run has {now['world']} under {now['backend']}: its optimizer states are partitioned per "
+            f"process and are not re-partitioned yet; resume on {was} processes (NPROC={was}), or under DDP")
+    same_micro = saved.get("micro_batch_size") in (None, now["micro_batch_size"])
+    order = ("step k trains on the same micro batches as before (their order is a function of run.seed and the "
+             "epoch, not of the process count)" if same_micro else
+             f"the micro batch changed ({saved['micro_batch_size']} -> {now['micro_batch_size']}), so the batches "
+             "from here on differ from an uninterrupted run's")
+    before = (f" (was micro {saved['micro_batch_size']} x accum {saved['accum']} x {was})"
+              if "accum" in saved else "")
+    return (f"[resume] the world size changed, {was} -> {now['world']} processes: the global batch stays "
+            f"micro {now['micro_batch_size']} x accum {now['accum']} x {now['world']}{before}; {order}; "
+            "dropout and masks that do not depend on the example draw from per-rank streams, which differ")
+
+
 def check_resume_path(resume: str | None) -> Path | None:
     """An explicit checkpoint.resume must be a complete checkpoint (its files are verified later,
     on rank 0). -> its path (None for no resume or 'auto')."""

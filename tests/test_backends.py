@@ -4,13 +4,14 @@ the run matches DDP on the same seed and data (dropout off)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import backend_rows, launch, started_warm, tiny_args
+from conftest import backend_rows, launch, run_in_process, started_warm, tiny_args
 
 ROWS = backend_rows()
 NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
@@ -402,3 +403,52 @@ def test_pipeline_resume_with_dropout_is_exact(tmp_path, sample_dir, datasets_ca
     wa, wb = load_file(tmp_path / "full/model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_ddp_resumes_on_another_number_of_processes(row_run, tmp_path, sample_dir, datasets_cache, shared_tokenizer,
+                                                    capsys):
+    """2 -> 1: the DDP row's step-8 checkpoint, resumed by one process (accumulation 2 instead of 2 ranks),
+    ends with the uninterrupted 2-process run's weights: step k trains on the same micro batches whatever the
+    process count (tolerance 1e-5: the gradients are summed in another order). 1 -> 2 the same way round."""
+    full, _ = row_run("ddp")
+    args = lambda out, **extra: tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, **extra))  # noqa: E731
+    run_in_process(args(tmp_path / "one", **{"checkpoint.resume": str(full / "checkpoints/step_00000008")}))
+    out = capsys.readouterr().out
+    assert ("[resume] the world size changed, 2 -> 1 processes: the global batch stays micro 8 x accum 2 x 1 "
+            "(was micro 8 x accum 1 x 2); step k trains on the same micro batches") in out, out[-3000:]
+    assert_same_weights(full / "model/model.safetensors", tmp_path / "one/model/model.safetensors")
+
+    single = run_in_process(args(tmp_path / "single"))   # and back: one process's checkpoint on two
+    assert single["num_processes"] == 1
+    resumed = launch(2, args(tmp_path / "two", **{"checkpoint.resume": str(tmp_path / "single/checkpoints/step_00000008")}))
+    assert resumed["final"]["num_processes"] == 2 and resumed["final"]["steps"] == STEPS
+    assert "the world size changed, 1 -> 2 processes" in (tmp_path / "two.log").read_text()
+    assert_same_weights(tmp_path / "single/model/model.safetensors", tmp_path / "two/model/model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path, tol: float = WEIGHT_TOL) -> None:
+    wa, wb = load_file(a), load_file(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=tol, rtol=0, msg=k)
+
+
+def test_sharded_states_on_another_number_of_processes_are_one_line(row_run, tmp_path, sample_dir, datasets_cache,
+                                                                    shared_tokenizer):
+    """ZeRO-2's step-8 checkpoint (2 processes) resumed by 1: one config error line naming both layouts and
+    the fix, before any rank trains (was DeepSpeed's ZeRORuntimeException traceback), nothing written."""
+    import subprocess
+
+    from conftest import REPO, launch_commands
+    full, _ = row_run("zero2")
+    out = tmp_path / "one"
+    args = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **common(
+        shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")}))]
+    (cmd,), env = launch_commands("train.py", args, 1, backend="zero2")
+    cmd = [sys.executable, "-m", "bert_recipes.launch", *cmd]   # as the Make targets launch: the rank's exit code
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("config error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert ("was saved by 2 processes under zero2 and this run has 1 under zero2" in errors[0]
+            and "resume on 2 processes (NPROC=2)" in errors[0]), errors
+    assert "Traceback" not in done.stderr and not (out / "checkpoints").exists()
