@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, rank_checksums, set_kernels
-from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, zero3_keeps_model_dtype
+from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, loading_universal,
+                                 universal_checkpoint, zero3_keeps_model_dtype)
+from .checkpoint import saved_layout
 from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .config import DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
@@ -269,7 +271,13 @@ class AccelerateEngine:
             (Path(path) / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
 
     def load(self, path: str):
-        self.accelerator.load_state(str(path))
+        saved = saved_layout(Path(path))
+        if self.plan.kind == "deepspeed" and saved and saved.get("world") != self.num_processes:
+            # ZeRO's partitions re-cut for this process count (train.py's [resume] line says so)
+            with loading_universal(self.model):
+                self.accelerator.load_state(str(universal_checkpoint(Path(path), self.is_main, self.barrier)))
+        else:
+            self.accelerator.load_state(str(path))
         schedule = Path(path) / "scheduler.json"
         if schedule.exists():
             self.scheduler.load_state_dict(json.loads(schedule.read_text()))

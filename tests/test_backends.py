@@ -433,22 +433,41 @@ def assert_same_weights(a: Path, b: Path, tol: float = WEIGHT_TOL) -> None:
         torch.testing.assert_close(wb[k], wa[k], atol=tol, rtol=0, msg=k)
 
 
+@pytest.mark.parametrize("name", ["zero1", "zero2"])   # ZeRO-3's universal load: 1e-4 off, refused (checkpoint.py)
+def test_zero_resumes_on_another_number_of_processes(name, row_run, tmp_path, sample_dir, datasets_cache,
+                                                     shared_tokenizer):
+    """2 -> 1 under ZeRO: the row's step-8 checkpoint is converted once to DeepSpeed's universal checkpoint
+    (its own converter), loaded by one process, and the run ends with the uninterrupted 2-process run's
+    weights (tolerance 1e-5: another summation order)."""
+    full, _ = row_run(name)
+    out = tmp_path / "one"
+    resumed = launch(1, tiny_args(out, sample_dir, datasets_cache, **common(
+        shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")})), backend=name)
+    assert resumed["final"]["steps"] == STEPS and resumed["final"]["num_processes"] == 1
+    log = (tmp_path / "one.log").read_text()
+    assert "[resume] the world size changed, 2 -> 1 processes" in log and "universal checkpoint" in log, log[-3000:]
+    assert (full / "checkpoints/step_00000008/universal/pytorch_model/zero").is_dir()
+    assert_same_weights(full / "model/model.safetensors", out / "model/model.safetensors")
+
+
 def test_sharded_states_on_another_number_of_processes_are_one_line(row_run, tmp_path, sample_dir, datasets_cache,
                                                                     shared_tokenizer):
-    """ZeRO-2's step-8 checkpoint (2 processes) resumed by 1: one config error line naming both layouts and
-    the fix, before any rank trains (was DeepSpeed's ZeRORuntimeException traceback), nothing written."""
+    """ZeRO-2 with CPU offload, its step-8 checkpoint (2 processes) resumed by 1, and ZeRO-3's: one config error
+    line naming both layouts and the fix, before any rank trains (was DeepSpeed's ZeRORuntimeException
+    traceback), nothing written."""
     import subprocess
 
     from conftest import REPO, launch_commands
-    full, _ = row_run("zero2")
-    out = tmp_path / "one"
-    args = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **common(
-        shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")}))]
-    (cmd,), env = launch_commands("train.py", args, 1, backend="zero2")
-    cmd = [sys.executable, "-m", "bert_recipes.launch", *cmd]   # as the Make targets launch: the rank's exit code
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("config error:")]
-    assert done.returncode == 2 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
-    assert ("was saved by 2 processes under zero2 and this run has 1 under zero2" in errors[0]
-            and "resume on 2 processes (NPROC=2)" in errors[0]), errors
-    assert "Traceback" not in done.stderr and not (out / "checkpoints").exists()
+    for name in ("zero2-offload", "zero3"):
+        full, _ = row_run(name)
+        out = tmp_path / name
+        args = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **common(
+            shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")}))]
+        (cmd,), env = launch_commands("train.py", args, 1, backend=name)
+        cmd = [sys.executable, "-m", "bert_recipes.launch", *cmd]   # as the Make targets launch: the rank's exit code
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("config error:")]
+        assert done.returncode == 2 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        assert (f"was saved by 2 processes under {name} and this run has 1 under {name}" in errors[0]
+                and "resume on 2 processes (NPROC=2)" in errors[0]), errors
+        assert "Traceback" not in done.stderr and not (out / "checkpoints").exists()
