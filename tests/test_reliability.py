@@ -71,7 +71,7 @@ def resume_and_compare(args, backend, launcher, expected, out):
 # ----------------------------------------------------------------------------- preemption
 @pytest.mark.parametrize("backend, launcher, sig, resume", [
     ("ddp", "accelerate", signal.SIGTERM, True),
-    ("ddp", "torchrun", signal.SIGTERM, 1),        # another launcher's forwarding; resumed on ONE process
+    ("ddp", "torchrun", signal.SIGTERM, "on 1"),   # another launcher's forwarding; resumed on ONE process
     ("zero2", "accelerate", signal.SIGTERM, True),
     ("pipeline", "accelerate", signal.SIGTERM, True),
     ("ddp", "accelerate", signal.SIGUSR1, False),  # another signal; the resume is the same as SIGTERM's
@@ -98,7 +98,7 @@ def test_signal_to_the_launcher_saves_the_step_reached_and_resume_is_exact(backe
     halted = json.loads((out / "metrics.json").read_text())["final"]
     assert halted == {"steps": step, "halted": True, "preempted": name, "exit_code": exit_code}
     assert complete_checkpoints(out)[-1].name == f"step_{step:08d}"
-    if resume == 1:   # the requeued job got fewer GPUs: DDP goes on (docs/checkpoints.md), another summation order
+    if resume == "on 1":   # the requeued job got fewer GPUs: DDP goes on (docs/checkpoints.md), another summation order
         final = launch(1, args + ["checkpoint.resume=auto"], backend=backend)["final"]
         assert final["steps"] == STEPS and final["num_processes"] == 1
         assert "the world size changed, 2 -> 1 processes" in (out.parent / f"{out.name}.log").read_text()
