@@ -27,6 +27,7 @@ from .metrics import joined_rows
 from .modeling import batch_rows, predictions
 from .optim import build_scheduler
 from .perf import peak_memory_gb
+from .rank0 import on_rank0
 
 
 def build_engine(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data: DataConfig, optim: OptimConfig,
@@ -274,8 +275,9 @@ class AccelerateEngine:
         saved = saved_layout(Path(path))
         if self.plan.kind == "deepspeed" and saved and saved.get("world") != self.num_processes:
             # ZeRO's partitions re-cut for this process count (train.py's [resume] line says so)
+            universal = on_rank0(self.is_main, self.broadcast, lambda: universal_checkpoint(Path(path)))
             with loading_universal(self.model):
-                self.accelerator.load_state(str(universal_checkpoint(Path(path), self.is_main, self.barrier)))
+                self.accelerator.load_state(str(universal))
         else:
             self.accelerator.load_state(str(path))
         schedule = Path(path) / "scheduler.json"

@@ -295,9 +295,7 @@ def test_sharded_resume_equals_uninterrupted(name, row_run, tmp_path, sample_dir
     engaged = {"zero3": "DistributedType.DEEPSPEED", "fsdp": "DistributedType.FSDP", "pipeline": "DEEPSPEED_PIPELINE"}
     assert resumed["final"]["backend"]["distributed_type"] == engaged[name]
     assert resumed["final"]["backend"]["params_sharded"] is True
-    wa, wb = load_file(full / "model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0, msg=k)
+    assert_same_weights(full / "model/model.safetensors", tmp_path / "split/model/model.safetensors", tol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
@@ -400,9 +398,7 @@ def test_pipeline_resume_with_dropout_is_exact(tmp_path, sample_dir, datasets_ca
     assert resumed["final"]["steps"] == STEPS
     import yaml
     assert yaml.safe_load((tmp_path / "split/config.yaml").read_text())["model"]["hidden_dropout_prob"] is None   # 0.1
-    wa, wb = load_file(tmp_path / "full/model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0, msg=k)
+    assert_same_weights(tmp_path / "full/model/model.safetensors", tmp_path / "split/model/model.safetensors", tol=1e-6)
 
 
 def test_ddp_resumes_on_another_number_of_processes(row_run, tmp_path, sample_dir, datasets_cache, shared_tokenizer,
@@ -422,6 +418,7 @@ def test_ddp_resumes_on_another_number_of_processes(row_run, tmp_path, sample_di
     assert single["num_processes"] == 1
     resumed = launch(2, args(tmp_path / "two", **{"checkpoint.resume": str(tmp_path / "single/checkpoints/step_00000008")}))
     assert resumed["final"]["num_processes"] == 2 and resumed["final"]["steps"] == STEPS
+    assert resumed["final"]["backend"]["distributed_type"] == "DistributedType.MULTI_CPU"
     assert "the world size changed, 1 -> 2 processes" in (tmp_path / "two.log").read_text()
     assert_same_weights(tmp_path / "single/model/model.safetensors", tmp_path / "two/model/model.safetensors")
 
@@ -444,10 +441,25 @@ def test_zero_resumes_on_another_number_of_processes(name, row_run, tmp_path, sa
     resumed = launch(1, tiny_args(out, sample_dir, datasets_cache, **common(
         shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")})), backend=name)
     assert resumed["final"]["steps"] == STEPS and resumed["final"]["num_processes"] == 1
+    assert resumed["final"]["backend"]["name"] == name
+    assert resumed["final"]["backend"]["distributed_type"] == "DistributedType.DEEPSPEED"
     log = (tmp_path / "one.log").read_text()
     assert "[resume] the world size changed, 2 -> 1 processes" in log and "universal checkpoint" in log, log[-3000:]
     assert (full / "checkpoints/step_00000008/universal/pytorch_model/zero").is_dir()
     assert_same_weights(full / "model/model.safetensors", out / "model/model.safetensors")
+
+
+def test_a_failed_universal_conversion_is_one_line(tmp_path):
+    """DeepSpeed's converter on a checkpoint it cannot read: one config error line naming the checkpoint and
+    the fix, and no universal directory (not even a partial one) left behind."""
+    from bert_recipes.backends.deepspeed import universal_checkpoint
+    from bert_recipes.config import ConfigError
+    (tmp_path / "pytorch_model").mkdir()
+    with pytest.raises(ConfigError, match=r"could not be converted to DeepSpeed's universal checkpoint .*resume on "
+                                          r"the process count it was saved with") as err:
+        universal_checkpoint(tmp_path)
+    assert "\n" not in str(err.value) and str(tmp_path) in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_model"]
 
 
 def test_sharded_states_on_another_number_of_processes_are_one_line(row_run, tmp_path, sample_dir, datasets_cache,

@@ -100,7 +100,7 @@ def test_signal_to_the_launcher_saves_the_step_reached_and_resume_is_exact(backe
     assert complete_checkpoints(out)[-1].name == f"step_{step:08d}"
     if resume == "on 1":   # the requeued job got fewer GPUs: DDP goes on (docs/checkpoints.md), another summation order
         final = launch(1, args + ["checkpoint.resume=auto"], backend=backend)["final"]
-        assert final["steps"] == STEPS and final["num_processes"] == 1
+        assert final["steps"] == STEPS and final["num_processes"] == 1 and final["backend"]["name"] == "ddp"
         assert "the world size changed, 2 -> 1 processes" in (out.parent / f"{out.name}.log").read_text()
         assert_equal_weights(out, reference(backend), atol=1e-5)
     elif resume:

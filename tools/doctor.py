@@ -66,19 +66,23 @@ def host() -> dict:
             "numa_nodes": nodes, "process_bytes": psutil.Process().memory_info().rss}
 
 
-def free_bytes(path: str) -> int | None:
-    """Free bytes on the file system that holds `path` (its nearest existing parent), None if unwritable."""
+def existing(path: str) -> Path:
+    """`path`, or its nearest parent that exists (where a run would create it)."""
     p = Path(path).expanduser().absolute()
     while not p.exists():
         p = p.parent
+    return p
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the file system that holds `path`, None if it cannot be written."""
+    p = existing(path)
     return shutil.disk_usage(p).free if os.access(p, os.W_OK) else None
 
 
 def mount_of(path: str) -> str:
     """The mount point of the file system that holds `path` (or would hold it)."""
-    p = Path(path).expanduser().absolute()
-    while not p.exists():
-        p = p.parent
+    p = existing(path)
     while not os.path.ismount(p):
         p = p.parent
     return str(p)

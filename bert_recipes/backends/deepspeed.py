@@ -407,35 +407,36 @@ def synchronize_owner() -> tuple:
 
 
 # ----------------------------------------------------------------------------- resume on another process count
-def universal_checkpoint(checkpoint: Path, is_main: bool, barrier) -> Path:
+def universal_checkpoint(checkpoint: Path) -> Path:
     """A ZeRO checkpoint saved by another number of processes, as DeepSpeed's universal checkpoint, made once
-    by rank 0 next to it (<checkpoint>/universal, written as .partial and renamed) with DeepSpeed's own
-    converter (deepspeed.checkpoint.ds_to_universal, 0.19.8; --inject_missing_state: Accelerate's checkpoints
-    lack the metadata Megatron-DeepSpeed writes). -> the directory to load (tag pytorch_model, and the
-    per-process RNG files beside it). A failed conversion is one line."""
+    next to it (<checkpoint>/universal, written as .partial and renamed) with DeepSpeed's own converter
+    (deepspeed.checkpoint.ds_to_universal, 0.19.8; --inject_missing_state: Accelerate's checkpoints lack the
+    metadata Megatron-DeepSpeed writes). Rank 0's work (the engine runs it through rank0.on_rank0, which
+    raises its error on every rank). -> the directory to load (tag pytorch_model, the RNG files beside it).
+    A failed conversion is one line."""
     import argparse
     import io
     import shutil
     target = checkpoint / "universal"
-    if is_main and not target.exists():
-        from deepspeed.checkpoint.ds_to_universal import main as to_universal
-        partial = checkpoint / "universal.partial"
+    if target.exists():
+        return target
+    from deepspeed.checkpoint.ds_to_universal import main as to_universal
+    partial = checkpoint / "universal.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    args = argparse.Namespace(input_folder=str(checkpoint / "pytorch_model"), output_folder=str(partial / "pytorch_model"),
+                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=True)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):   # its progress lines
+            to_universal(args)
+    except Exception as err:   # noqa: BLE001 (any failure of the converter is the user's one line)
         shutil.rmtree(partial, ignore_errors=True)
-        args = argparse.Namespace(input_folder=str(checkpoint / "pytorch_model"),
-                                  output_folder=str(partial / "pytorch_model"), num_extract_workers=1,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):   # its progress lines
-                to_universal(args)
-        except Exception as err:   # noqa: BLE001 (any failure of the converter is the user's one line)
-            shutil.rmtree(partial, ignore_errors=True)
-            raise ConfigError(f"checkpoint.resume: {checkpoint} could not be converted to DeepSpeed's universal "
-                              f"checkpoint ({type(err).__name__}: {str(err)[:160]}); resume on the process count "
-                              "it was saved with") from None
-        for rng in checkpoint.glob("random_states_*.pkl"):
-            shutil.copy2(rng, partial / rng.name)
-        partial.rename(target)
-    barrier()
+        raise ConfigError(f"checkpoint.resume: {checkpoint} could not be converted to DeepSpeed's universal "
+                          f"checkpoint ({type(err).__name__}: {str(err)[:160]}); resume on the process count "
+                          "it was saved with") from None
+    for rng in checkpoint.glob("random_states_*.pkl"):
+        shutil.copy2(rng, partial / rng.name)
+    partial.rename(target)
     return target
 
 
