@@ -117,35 +117,50 @@ def saved_layout(checkpoint: Path) -> dict | None:
 
 
 def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None:
-    """A resume on another number of processes. DDP continues: the global batch is the recipe's, the
-    accumulation follows the world size, and the micro batches' global order is a function of (run.seed,
-    epoch), so step k trains on the same sequences (-> the line saying so). ZeRO-1 and ZeRO-2 without
-    offload continue too, their partitions re-cut through DeepSpeed's universal checkpoint (backends/deepspeed.py).
-    Other sharded states are refused (ZeRO-3: DeepSpeed 0.19.8's universal load lands 1e-4 off the
-    uninterrupted run, measured 2026-12-02; offloaded ZeRO, FSDP, the pipeline's stages: not tried) in one line before any
-    rank trains (docs/checkpoints.md)."""
+    """A resume on another number of processes -> the [resume] line saying what follows from it (None: the
+    same number). The global batch is the recipe's and the accumulation follows the world size; the micro
+    batches' global order is a function of (run.seed, epoch), so step k trains on the same sequences. DDP's
+    state is whole on every rank; ZeRO's partitions are re-cut through DeepSpeed's universal checkpoint
+    (backends/deepspeed_universal.py); FSDP's shards through torch's distributed checkpoint, which Accelerate
+    saves them with. What cannot be re-cut (reshard_refusal) is one line before any rank trains."""
     if not saved or saved.get("world") in (None, now["world"]):
         return None
-    was, kind = saved["world"], saved.get("kind", now["kind"])
-    zero = kind == now["kind"] == "deepspeed" and saved.get("backend") == now["backend"] in ("zero1", "zero2")
-    if not zero and (kind != "ddp" or now["kind"] != "ddp"):
+    was = saved["world"]
+    refusal = reshard_refusal(saved, now, checkpoint)
+    if refusal:
         raise ConfigError(
             f"checkpoint.resume: {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])} "
-            f"and this run has {now['world']} under {now['backend']}: its optimizer states are partitioned per "
-            f"process and are not re-partitioned here (ZeRO-1 and ZeRO-2 without offload are, through DeepSpeed's "
-            f"universal checkpoint); resume on {was} processes (NPROC={was}), or under DDP")
+            f"and this run has {now['world']} under {now['backend']}: {refusal}; resume on {was} processes "
+            f"(NPROC={was}) with the backend it was saved under")
     same_micro = saved.get("micro_batch_size") in (None, now["micro_batch_size"])
     order = ("step k trains on the same micro batches as before (their order is a function of run.seed and the "
              "epoch, not of the process count)" if same_micro else
              f"the micro batch changed ({saved['micro_batch_size']} -> {now['micro_batch_size']}), so the batches "
              "from here on differ from an uninterrupted run's")
-    before = (f" (was micro {saved['micro_batch_size']} x accum {saved['accum']} x {was})"
+    replicas = lambda layout: f"{layout.get('replicas') or layout['world']} replicas"   # noqa: E731 (= processes but under the pipeline)
+    before = (f" (was micro {saved['micro_batch_size']} x accum {saved['accum']} x {replicas(saved)})"
               if "accum" in saved else "")
+    universal = f"re-cut through DeepSpeed's universal checkpoint, made once in {checkpoint}/universal"
+    recut = {"deepspeed": f"; ZeRO's partitions are {universal}",
+             "pipeline": f"; the replicas' ZeRO-1 partitions are {universal}",
+             "fsdp": "; FSDP's shards are re-cut by torch's distributed checkpoint on load"}.get(now["kind"], "")
     return (f"[resume] the world size changed, {was} -> {now['world']} processes: the global batch stays "
-            f"micro {now['micro_batch_size']} x accum {now['accum']} x {now['world']}{before}; {order}; "
-            "dropout and masks that do not depend on the example draw from per-rank streams, which differ"
-            + ("; ZeRO's partitions are re-cut through DeepSpeed's universal checkpoint, made once in "
-               f"{checkpoint}/universal" if zero else ""))
+            f"micro {now['micro_batch_size']} x accum {now['accum']} x {replicas(now)}{before}; {order}; "
+            "dropout and masks that do not depend on the example draw from per-rank streams, which differ" + recut)
+
+
+def reshard_refusal(saved: dict, now: dict, checkpoint: Path) -> str | None:
+    """Why a checkpoint saved by another number of processes cannot continue here (None: it can)."""
+    if saved.get("backend", now["backend"]) != now["backend"]:
+        return "the backend and the process count cannot both change in one resume"
+    if (Path(checkpoint) / "pytorch_model/offloaded_tensors").is_dir():
+        return ("its optimizer states were swapped to NVMe (pytorch_model/offloaded_tensors), which DeepSpeed "
+                "0.19.8's universal converter does not read")
+    if now["kind"] == "pipeline" and saved.get("replicas") and saved["world"] // saved["replicas"] != now["world"] // now["replicas"]:
+        return (f"the pipeline's stages changed ({saved['world'] // saved['replicas']} -> "
+                f"{now['world'] // now['replicas']}): a stage's layers and their optimizer partitions are saved per "
+                "stage, and only another number of replicas is re-cut")
+    return None
 
 
 def check_resume_path(resume: str | None) -> Path | None:

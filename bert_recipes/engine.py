@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, rank_checksums, set_kernels
-from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, loading_universal,
-                                 universal_checkpoint, zero3_keeps_model_dtype)
+from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, zero3_keeps_model_dtype
+from .backends.deepspeed_universal import loading_universal, universal_checkpoint
 from .checkpoint import saved_layout
 from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths

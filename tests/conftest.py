@@ -70,6 +70,19 @@ def _start_warm_server() -> None:
     os.environ["BERT_RECIPES_WARM_SOCKET"] = socket_path   # the server compares requests with its own environment
 
 
+def wait_for_warm_server(timeout: float = 120) -> None:
+    """Before the first launch: until the server has imported everything (its log's first line, "ready"), or
+    it died or timed out (then the processes start cold, as they would without it). Without this wait the
+    session's first launcher started cold while its ranks, a moment later, started warm."""
+    import time
+    deadline = time.time() + timeout
+    while "log" in _WARM and not _WARM.get("ready") and time.time() < deadline and _WARM["server"].poll() is None:
+        if _WARM["log"].exists() and _WARM["log"].read_text().startswith("ready"):
+            _WARM["ready"] = True
+            return
+        time.sleep(0.2)
+
+
 def warm_summary() -> str:
     """One line: how many processes started warm, how many cold and why."""
     import collections
@@ -279,6 +292,7 @@ def launch_commands(script: str, args: list[str], nproc: int, launcher: str = "a
     really engages it (the table's cpu_env; see FEASIBILITY: the obvious ones silently fall back);
     A GPU-only row (FSDP) goes through tests/fsdp_cpu_harness.py, which forces Accelerate's FSDP onto
     CPU processes: a test's tool only, never a user's launch (backends.tsv gives FSDP no CPU launch)."""
+    wait_for_warm_server()
     bin_dir = Path(sys.executable).parent
     row = backend_rows()[backend]
     plan = row.plan
