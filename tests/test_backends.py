@@ -478,11 +478,14 @@ def test_sharded_states_resume_on_another_number_of_processes(name, row_run, tmp
     2-process run's weights (tolerance 1e-5: another summation order). ZeRO's partitions are re-cut through
     DeepSpeed's universal checkpoint (its own converter, run once); FSDP2's shards by torch's distributed
     checkpoint. (ZeRO-3 with the optimizer on NVMe: test_zero3_nvme_row.)"""
-    full, _ = row_run(name)
+    full, metrics = row_run(name)
     out = tmp_path / "one"
     resumed = launch(1, tiny_args(out, sample_dir, datasets_cache, **common(
         shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")})), backend=name)
     assert resumed["final"]["steps"] == STEPS and resumed["final"]["num_processes"] == 1
+    # the run's record and schedule carry over: the rows logged before the checkpoint, the same learning rates
+    rows = lambda m: [(r["step"], r["lr"]) for r in m["history"]["train"]]  # noqa: E731
+    assert rows(resumed) == rows(metrics) and resumed["history"]["train"][:2] == metrics["history"]["train"][:2]
     assert resumed["final"]["backend"]["name"] == name
     assert resumed["final"]["backend"]["distributed_type"] == ENGAGED[name]
     log = (tmp_path / "one.log").read_text()
