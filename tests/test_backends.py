@@ -509,6 +509,21 @@ def test_a_failed_universal_conversion_is_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_model"]
 
 
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_sharded_states_resume_on_more_processes(name, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """1 -> 2, the other way round: a one-process run's step-8 checkpoint continued by two processes ends with
+    the one-process run's weights (tolerance 1e-5)."""
+    args = lambda out, **extra: tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, **extra))  # noqa: E731
+    single = launch(1, args(tmp_path / "single"), backend=name)
+    assert single["final"]["num_processes"] == 1 and single["final"]["backend"]["distributed_type"] == ENGAGED[name]
+    two = launch(2, args(tmp_path / "two", **{"checkpoint.resume": str(tmp_path / "single/checkpoints/step_00000008")}),
+                 backend=name)
+    assert two["final"]["num_processes"] == 2 and two["final"]["steps"] == STEPS
+    assert two["final"]["backend"]["distributed_type"] == ENGAGED[name] and two["final"]["backend"]["params_sharded"]
+    assert "the world size changed, 1 -> 2 processes" in (tmp_path / "two.log").read_text()
+    assert_same_weights(tmp_path / "single/model/model.safetensors", tmp_path / "two/model/model.safetensors")
+
+
 def refused_on_one(args: list[str], backend: str, config: Path | None = None) -> str:
     """train.py launched on one process as the Make targets launch it (bert_recipes.launch: the rank's exit
     code), for a resume that must be refused: exit code 2, one config error line and no traceback. -> the line."""
