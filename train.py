@@ -116,7 +116,7 @@ def main(cfg: Config) -> dict:
     for note in notes + resume_notes:
         print0(note)
     layout = run_layout(plan, cfg.train.micro_batch_size)   # saved with each checkpoint
-    if checkpoint is not None:   # another process count: DDP goes on (a line), sharded states are refused
+    if checkpoint is not None:   # another process count: the state re-cut (a line), or one line refusing it
         changed = resume_layout(saved_layout(checkpoint), layout, checkpoint)
         if changed:
             print0(changed)

@@ -123,15 +123,17 @@ def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None
     state is whole on every rank; ZeRO's partitions are re-cut through DeepSpeed's universal checkpoint
     (backends/deepspeed_universal.py); FSDP's shards through torch's distributed checkpoint, which Accelerate
     saves them with. What cannot be re-cut (reshard_refusal) is one line before any rank trains."""
-    if not saved or saved.get("world") in (None, now["world"]):
+    if not saved or saved.get("world") is None:
         return None
     was = saved["world"]
     refusal = reshard_refusal(saved, now, checkpoint)
     if refusal:
+        why, fix = refusal
         raise ConfigError(
             f"checkpoint.resume: {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])} "
-            f"and this run has {now['world']} under {now['backend']}: {refusal}; resume on {was} processes "
-            f"(NPROC={was}) with the backend it was saved under")
+            f"({stages(saved)}) and this run has {now['world']} under {now['backend']} ({stages(now)}): {why}; {fix}")
+    if was == now["world"]:
+        return None
     same_micro = saved.get("micro_batch_size") in (None, now["micro_batch_size"])
     order = ("step k trains on the same micro batches as before (their order is a function of run.seed and the "
              "epoch, not of the process count)" if same_micro else
@@ -149,17 +151,30 @@ def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None
             "dropout and masks that do not depend on the example draw from per-rank streams, which differ" + recut)
 
 
-def reshard_refusal(saved: dict, now: dict, checkpoint: Path) -> str | None:
-    """Why a checkpoint saved by another number of processes cannot continue here (None: it can)."""
-    if saved.get("backend", now["backend"]) != now["backend"]:
-        return "the backend and the process count cannot both change in one resume"
-    if (Path(checkpoint) / "pytorch_model/offloaded_tensors").is_dir():
-        return ("its optimizer states were swapped to NVMe (pytorch_model/offloaded_tensors), which DeepSpeed "
-                "0.19.8's universal converter does not read")
+def stages(layout: dict) -> str:
+    """'<replicas> data-parallel replicas' (x '<stages> pipeline stages' under the pipeline)."""
+    replicas = layout.get("replicas") or layout["world"]
+    staged = f" x {layout['world'] // replicas} pipeline stages" if layout.get("kind") == "pipeline" else ""
+    return f"{replicas} data-parallel replicas{staged}"
+
+
+def reshard_refusal(saved: dict, now: dict, checkpoint: Path) -> tuple[str, str] | None:
+    """Why a checkpoint cannot continue in this layout, and the fix (None: it can, re-cut where the process
+    count changed). The pipeline's stage count is checked at any process count; the rest only when it changed."""
+    same_world = f"resume on {saved['world']} processes (NPROC={saved['world']})"
     if now["kind"] == "pipeline" and saved.get("replicas") and saved["world"] // saved["replicas"] != now["world"] // now["replicas"]:
-        return (f"the pipeline's stages changed ({saved['world'] // saved['replicas']} -> "
-                f"{now['world'] // now['replicas']}): a stage's layers and their optimizer partitions are saved per "
-                "stage, and only another number of replicas is re-cut")
+        return ("a stage's layers and their optimizer partitions are saved per stage, and only another number of "
+                "replicas is re-cut", "set the DeepSpeed JSON's pipeline.stages back to "
+                f"{saved['world'] // saved['replicas']}")
+    if saved["world"] == now["world"]:
+        return None
+    if saved.get("backend", now["backend"]) != now["backend"]:
+        return ("the backend and the process count cannot both change in one resume",
+                f"{same_world} under {saved['backend']}")
+    if now["backend"].endswith("-nvme") or (Path(checkpoint) / "pytorch_model/offloaded_tensors").is_dir():
+        return ("ZeRO's states offloaded to NVMe are not re-cut: DeepSpeed 0.19.8's universal checkpoint neither "
+                "reads the optimizer's swap files (pytorch_model/offloaded_tensors) nor loads into parameters kept on "
+                "NVMe", same_world)
     return None
 
 

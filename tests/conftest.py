@@ -76,11 +76,11 @@ def wait_for_warm_server(timeout: float = 120) -> None:
     session's first launcher started cold while its ranks, a moment later, started warm."""
     import time
     deadline = time.time() + timeout
-    while "log" in _WARM and not _WARM.get("ready") and time.time() < deadline and _WARM["server"].poll() is None:
+    while "log" in _WARM and not _WARM.get("waited") and time.time() < deadline and _WARM["server"].poll() is None:
         if _WARM["log"].exists() and _WARM["log"].read_text().startswith("ready"):
-            _WARM["ready"] = True
-            return
+            break
         time.sleep(0.2)
+    _WARM["waited"] = True   # once: a server that never got ready does not hold up every launch
 
 
 def warm_summary() -> str:

@@ -199,7 +199,7 @@ def test_zero3_nvme_row(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     error = refused_on_one(tiny_args(one, sample_dir, datasets_cache, **common(
         shared_tokenizer, **SWAPS_OPTIMIZER_ONLY, **{"checkpoint.resume": str(full / "checkpoints/step_00000004")})),
         "zero3-nvme", config=tmp_path / "acc.yaml")
-    assert "its optimizer states were swapped to NVMe" in error and "resume on 2 processes (NPROC=2)" in error, error
+    assert "ZeRO's states offloaded to NVMe are not re-cut" in error and "resume on 2 processes (NPROC=2)" in error, error
     assert not (one / "checkpoints").exists() and not (full / "checkpoints/step_00000004/universal").exists()
 
 
@@ -549,10 +549,43 @@ def test_a_backend_and_process_count_change_is_one_line(row_run, tmp_path, sampl
     converted = universal.exists()   # by test_sharded_states_resume_on_another_number_of_processes, if it ran first
     error = refused_on_one(tiny_args(out, sample_dir, datasets_cache, **common(
         shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")})), "zero3")
-    assert ("was saved by 2 processes under zero2 and this run has 1 under zero3: the backend and the process count "
-            "cannot both change in one resume; resume on 2 processes (NPROC=2) with the backend it was saved under"
-            in error), error
+    assert ("was saved by 2 processes under zero2 (2 data-parallel replicas) and this run has 1 under zero3 (1 "
+            "data-parallel replicas): the backend and the process count cannot both change in one resume; resume on 2 "
+            "processes (NPROC=2) under zero2" in error), error
     assert not (out / "checkpoints").exists() and universal.exists() == converted
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_universal_load_mends_only_zero3s_slips(stage):
+    """loading_universal around what DeepSpeed 0.19.8's ZeRO-3 universal load leaves (every group given group
+    0's hyperparameters, one `step` tensor shared by every group's state; here done by hand to a real AdamW,
+    the engine around it reduced to the three attributes the function reads): under ZeRO-3 each group gets
+    its own weight decay back and its own step, the loaded learning rate stays; under ZeRO-1/2, whose load
+    restores each group's own, nothing is touched. (End to end: test_sharded_states_resume_on_another_number_of_processes.)"""
+    from types import SimpleNamespace
+
+    from bert_recipes.backends.deepspeed_universal import loading_universal
+    decay, no_decay = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    adam = torch.optim.AdamW([{"params": [decay], "weight_decay": 0.01}, {"params": [no_decay], "weight_decay": 0.0}],
+                             lr=1e-3)
+    (decay.sum() + no_decay.sum()).backward()
+    adam.step()
+    config = SimpleNamespace(load_universal_checkpoint=False)
+    engine = SimpleNamespace(_config=config, optimizer=SimpleNamespace(param_groups=adam.param_groups, optimizer=adam),
+                             zero_optimization_stage=lambda: stage)
+    with loading_universal(engine):
+        assert config.load_universal_checkpoint is True
+        shared = torch.tensor(8.0)
+        for group in adam.param_groups:   # the slips
+            group.update(weight_decay=0.01, lr=5e-4)
+            adam.state[group["params"][0]]["step"] = shared
+    assert config.load_universal_checkpoint is False
+    steps = [adam.state[p]["step"] for p in (decay, no_decay)]
+    assert [g["lr"] for g in adam.param_groups] == [5e-4, 5e-4] and [float(s) for s in steps] == [8.0, 8.0]
+    if stage == 3:
+        assert [g["weight_decay"] for g in adam.param_groups] == [0.01, 0.0] and steps[0] is not steps[1]
+    else:
+        assert [g["weight_decay"] for g in adam.param_groups] == [0.01, 0.01] and steps[0] is steps[1]
 
 
 def test_a_pipeline_stage_change_is_refused():
@@ -564,6 +597,12 @@ def test_a_pipeline_stage_change_is_refused():
                                              "replicas": replicas, "accum": accum, "micro_batch_size": 4}
     assert "x accum 4 x 1 replicas (was micro 4 x accum 2 x 2 replicas)" in resume_layout(
         layout(4, 2, 2), layout(2, 1, 4), Path("ckpt"))
-    with pytest.raises(ConfigError, match=r"saved by 4 processes under pipeline and this run has 8 under pipeline: "
-                                          r"the pipeline's stages changed \(2 -> 4\).*resume on 4 processes"):
-        resume_layout(layout(4, 2, 2), layout(8, 2, 2), Path("ckpt"))
+    assert resume_layout(layout(4, 2, 2), layout(4, 2, 2), Path("ckpt")) is None   # the same layout: nothing to say
+    for was, now in ((layout(4, 2, 2), layout(8, 2, 2)), (layout(8, 4, 1), layout(8, 2, 2))):   # more processes, or as many
+        with pytest.raises(ConfigError) as refused:
+            resume_layout(was, now, Path("ckpt"))
+        stages = lambda world, replicas: f"{replicas} data-parallel replicas x {world // replicas} pipeline stages"  # noqa: E731
+        assert (f"saved by {was['world']} processes under pipeline ({stages(was['world'], was['replicas'])}) and this "
+                f"run has {now['world']} under pipeline ({stages(now['world'], now['replicas'])}): a stage's layers"
+                in str(refused.value) and str(refused.value).endswith("set the DeepSpeed JSON's pipeline.stages back "
+                                                                     "to 2")), refused.value

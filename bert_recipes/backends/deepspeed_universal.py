@@ -61,14 +61,16 @@ def loading_universal(engine):
       the second group's bias correction would run a step ahead. Each state gets its own copy.
     Measured 2026-12-02 (tests/test_backends.py, ZeRO-3 2 -> 1): 1.5e-4 off the uninterrupted run without these,
     within 1e-5 with them."""
+    stage3 = engine.zero_optimization_stage() == 3   # ZeRO-1/2's load (the pipeline's too) restores each group's own
     own = [{k: v for k, v in group.items() if k not in SCHEDULED} for group in engine.optimizer.param_groups]
     engine._config.load_universal_checkpoint = True
     try:
         yield
     finally:
         engine._config.load_universal_checkpoint = False
-    for group, kept in zip(engine.optimizer.param_groups, own):
-        group.update(kept)
-    for state in engine.optimizer.optimizer.state.values():
-        if hasattr(state.get("step"), "clone"):
-            state["step"] = state["step"].clone()
+    if stage3:
+        for group, kept in zip(engine.optimizer.param_groups, own):
+            group.update(kept)
+        for state in engine.optimizer.optimizer.state.values():
+            if hasattr(state.get("step"), "clone"):   # a tensor (torch's Adam); DeepSpeed's CPU Adam keeps an int
+                state["step"] = state["step"].clone()
