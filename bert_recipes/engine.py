@@ -15,8 +15,7 @@ import torch
 
 from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, rank_checksums, set_kernels
 from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, zero3_keeps_model_dtype
-from .backends.deepspeed_universal import loading_universal, universal_checkpoint
-from .checkpoint import saved_layout
+from .backends.deepspeed_universal import resharded
 from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .config import DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
@@ -27,7 +26,6 @@ from .metrics import joined_rows
 from .modeling import batch_rows, predictions
 from .optim import build_scheduler
 from .perf import peak_memory_gb
-from .rank0 import on_rank0
 
 
 def build_engine(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data: DataConfig, optim: OptimConfig,
@@ -272,13 +270,10 @@ class AccelerateEngine:
             (Path(path) / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
 
     def load(self, path: str):
-        saved = saved_layout(Path(path))
-        if self.plan.kind == "deepspeed" and saved and saved.get("world") != self.num_processes:
-            # ZeRO's partitions re-cut for this process count (train.py's [resume] line says so)
-            universal = on_rank0(self.is_main, self.broadcast, lambda: universal_checkpoint(Path(path)))
-            with loading_universal(self.model):
-                self.accelerator.load_state(str(universal))
-        else:
+        if self.plan.kind == "deepspeed":   # saved by another process count: ZeRO's partitions re-cut
+            with resharded(Path(path), self.num_processes, self.model, self.is_main, self.broadcast) as source:
+                self.accelerator.load_state(str(source))
+        else:   # DDP's state is whole; FSDP's shards are re-cut by torch's distributed checkpoint
             self.accelerator.load_state(str(path))
         schedule = Path(path) / "scheduler.json"
         if schedule.exists():

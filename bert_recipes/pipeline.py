@@ -30,9 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .backends.accelerator import cpu_affinity
-from .backends.deepspeed_universal import loading_universal, universal_checkpoint
+from .backends.deepspeed_universal import resharded
 from .batching import Indexed
-from .checkpoint import saved_layout
 from .config import ConfigError, DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import write_export
 from .guard import control_group, slow_barrier
@@ -40,7 +39,6 @@ from .logs import Trackers
 from .memory import bubble_line
 from .metrics import joined_rows
 from .modeling import batch_rows, masked_lm_loss, predictions
-from .rank0 import on_rank0
 from .rng import load_rng_state, save_rng_state
 
 TIED_KEY = "embeddings"
@@ -395,13 +393,8 @@ class PipelineEngine:
     def load(self, path: str):
         """Another number of replicas (train.py's [resume] line says so): the ZeRO-1 partitions re-cut through
         DeepSpeed's universal checkpoint, like ZeRO-1's."""
-        saved = saved_layout(Path(path))
-        if saved and saved.get("world") != self.num_processes:
-            universal = on_rank0(self.is_main, self.broadcast, lambda: universal_checkpoint(Path(path), tag="engine"))
-            with loading_universal(self.engine):
-                self.engine.load_checkpoint(str(universal), tag="engine")
-        else:
-            self.engine.load_checkpoint(str(path), tag="engine")
+        with resharded(Path(path), self.num_processes, self.engine, self.is_main, self.broadcast, tag="engine") as source:
+            self.engine.load_checkpoint(str(source), tag="engine")
         load_rng_state(path, self.rank, self.on_gpu)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:

@@ -59,8 +59,6 @@ def _start_warm_server() -> None:
     import tempfile
     if os.environ.get("BERT_RECIPES_WARM", "1") == "0" or "BERT_RECIPES_WARM_SOCKET" in os.environ:
         return
-    if any(Path(p).name == "census" for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)):
-        return   # the process census (tests/census) counts every process as it starts cold
     tmp = Path(tempfile.mkdtemp(prefix="bert-recipes-warm-"))
     socket_path, log = str(tmp / "server.sock"), tmp / "server.log"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests/warm"), os.environ.get("PYTHONPATH")]))
@@ -248,6 +246,31 @@ def snapshot(path: Path) -> dict | None:
     if not path.exists():
         return None
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+
+
+def refused_launched(overrides: list[str], watched: Path, backend: str = "ddp", config: Path | None = None) -> str:
+    """train.py launched on one process as the Make targets launch it (bert_recipes.launch: the rank's exit code,
+    not torch's report), held to refused_in_process's rules: exit code 2, exactly one `config error:` line, no
+    traceback, nothing created or changed under `watched`. -> that line."""
+    before = snapshot(watched)
+    (cmd,), env = launch_commands("train.py", [f"--{o}" for o in overrides], 1, backend=backend, config=config)
+    done = subprocess.run([sys.executable, "-m", "bert_recipes.launch", *cmd], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("config error:")]
+    assert done.returncode == 2 and len(lines) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert snapshot(watched) == before, f"{watched} changed"
+    return lines[0]
+
+
+def assert_same_weights(a, b, tol: float) -> None:
+    """Two exports (model.safetensors paths, or their loaded dicts) hold the same tensors within tol."""
+    import torch
+    from safetensors.torch import load_file
+    wa, wb = (load_file(w) if isinstance(w, (str, Path)) else w for w in (a, b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=tol, rtol=0, msg=k)
 
 
 def refused_in_process(argv: list[str], watched: Path, capsys) -> str:

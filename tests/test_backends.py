@@ -4,14 +4,14 @@ the run matches DDP on the same seed and data (dropout off)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import backend_rows, launch, run_in_process, started_warm, tiny_args
+from conftest import (assert_same_weights, backend_rows, launch, refused_launched, run_in_process, snapshot,
+                      started_warm, tiny_args)
 
 ROWS = backend_rows()
 NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
@@ -195,12 +195,11 @@ def test_zero3_nvme_row(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     assert metrics["final"]["backend"]["param_dtypes"] == ["torch.float32"]
     # its step-4 checkpoint on one process: the optimizer states swapped to the "NVMe" are files DeepSpeed's
     # universal converter does not read, so this resume is refused in one line and nothing is written
-    full, one = tmp_path / "zero3-nvme", tmp_path / "one"
-    error = refused_on_one(tiny_args(one, sample_dir, datasets_cache, **common(
+    full = tmp_path / "zero3-nvme"
+    error = refused_launched(tiny_args(tmp_path / "one", sample_dir, datasets_cache, **common(
         shared_tokenizer, **SWAPS_OPTIMIZER_ONLY, **{"checkpoint.resume": str(full / "checkpoints/step_00000004")})),
-        "zero3-nvme", config=tmp_path / "acc.yaml")
+        tmp_path, "zero3-nvme", config=tmp_path / "acc.yaml")   # tmp_path: no run directory, no universal conversion
     assert "ZeRO's states offloaded to NVMe are not re-cut" in error and "resume on 2 processes (NPROC=2)" in error, error
-    assert not (one / "checkpoints").exists() and not (full / "checkpoints/step_00000004/universal").exists()
 
 
 @pytest.mark.skipif(not _libaio_available(), reason="NVMe offload needs libaio (apt-get install libaio-dev; .ci/run does)")
@@ -299,9 +298,11 @@ def test_pipeline_classification_and_data_parallel(runs, ddp_reference, tmp_path
                               **{"checkpoint.resume": str(tmp_path / "pipe_cls/checkpoints/step_00000004")}),
                  backend="pipeline")
     assert one["final"]["num_processes"] == 2 and one["final"]["backend"]["data_parallel_size"] == 1
+    assert one["final"]["backend"]["distributed_type"] == ENGAGED["pipeline"]
     assert ("the world size changed, 4 -> 2 processes: the global batch stays micro 4 x accum 4 x 1 replicas (was "
             "micro 4 x accum 2 x 2 replicas)") in (tmp_path / "one_replica.log").read_text()
-    assert_same_weights(tmp_path / "pipe_cls/model/model.safetensors", tmp_path / "one_replica/model/model.safetensors")
+    assert_same_weights(tmp_path / "pipe_cls/model/model.safetensors", tmp_path / "one_replica/model/model.safetensors",
+                        WEIGHT_TOL)
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])   # the pipeline's: test_pipeline_resume_with_dropout_is_exact
@@ -348,8 +349,7 @@ def test_gradient_accumulation_equivalence(name, tmp_path, runs, ddp_reference, 
             "train.micro_batch_size": micro, "train.eval_every": 4}), backend=name)
     for r in results.values():   # really 2 ranks, really the backend asked for
         assert r["final"]["num_processes"] == 2
-        assert r["final"]["backend"]["distributed_type"] == \
-            ("DistributedType.DEEPSPEED" if name == "zero2" else "DistributedType.MULTI_CPU")
+        assert r["final"]["backend"]["distributed_type"] == ENGAGED[name]
         assert r["final"]["backend"].get("zero_stage", 2) == 2
     a, b = results[8]["history"], results[2]["history"]
     for ra, rb in zip(a["train"], b["train"]):
@@ -434,15 +434,15 @@ def test_ddp_resumes_on_another_number_of_processes(row_run, tmp_path, sample_di
     out = capsys.readouterr().out
     assert ("[resume] the world size changed, 2 -> 1 processes: the global batch stays micro 8 x accum 2 x 1 "
             "replicas (was micro 8 x accum 1 x 2 replicas); step k trains on the same micro batches") in out, out[-3000:]
-    assert_same_weights(full / "model/model.safetensors", tmp_path / "one/model/model.safetensors")
+    assert_same_weights(full / "model/model.safetensors", tmp_path / "one/model/model.safetensors", WEIGHT_TOL)
 
-    single = run_in_process(args(tmp_path / "single"))   # and back: one process's checkpoint on two
-    assert single["num_processes"] == 1
+    # and back: one process, halted at step 8, continued by two, ends with the row's weights too
+    assert run_in_process(args(tmp_path / "single", **{"train.halt_at_step": 8})) == {"steps": 8, "halted": True}
     resumed = launch(2, args(tmp_path / "two", **{"checkpoint.resume": str(tmp_path / "single/checkpoints/step_00000008")}))
     assert resumed["final"]["num_processes"] == 2 and resumed["final"]["steps"] == STEPS
-    assert resumed["final"]["backend"]["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert resumed["final"]["backend"]["distributed_type"] == ENGAGED["ddp"]
     assert "the world size changed, 1 -> 2 processes" in (tmp_path / "two.log").read_text()
-    assert_same_weights(tmp_path / "single/model/model.safetensors", tmp_path / "two/model/model.safetensors")
+    assert_same_weights(full / "model/model.safetensors", tmp_path / "two/model/model.safetensors", WEIGHT_TOL)
 
 
 def test_with_dropout_a_resume_on_fewer_processes_stays_in_the_band(tmp_path, sample_dir, datasets_cache,
@@ -455,6 +455,7 @@ def test_with_dropout_a_resume_on_fewer_processes_stays_in_the_band(tmp_path, sa
     one = launch(1, tiny_args(tmp_path / "one", sample_dir, datasets_cache, **with_dropout, **{
         "checkpoint.resume": str(tmp_path / "full/checkpoints/step_00000008")}))
     assert full["final"]["num_processes"] == 2 and one["final"]["num_processes"] == 1
+    assert {full["final"]["backend"]["distributed_type"], one["final"]["backend"]["distributed_type"]} == {ENGAGED["ddp"]}
     assert "the world size changed, 2 -> 1 processes" in (tmp_path / "one.log").read_text()
     ours = {r["step"]: r["loss"] for r in one["history"]["train"] if r["step"] > 8}
     theirs = {r["step"]: r["loss"] for r in full["history"]["train"] if r["step"] > 8}
@@ -462,13 +463,6 @@ def test_with_dropout_a_resume_on_fewer_processes_stays_in_the_band(tmp_path, sa
     gaps = [abs(ours[k] - theirs[k]) for k in ours] + [abs(one["final"]["eval_loss"] - full["final"]["eval_loss"])]
     print("dropout-on gaps (train 12, train 16, eval):", gaps)
     assert max(gaps) < LOSS_BAND and ours != theirs, (ours, theirs)   # other masks: not equal, but close
-
-
-def assert_same_weights(a: Path, b: Path, tol: float = WEIGHT_TOL) -> None:
-    wa, wb = load_file(a), load_file(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], atol=tol, rtol=0, msg=k)
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "fsdp"])
@@ -493,7 +487,7 @@ def test_sharded_states_resume_on_another_number_of_processes(name, row_run, tmp
     if name.startswith("zero"):
         assert "universal checkpoint" in log
         assert (full / "checkpoints/step_00000008/universal/pytorch_model/zero").is_dir()
-    assert_same_weights(full / "model/model.safetensors", out / "model/model.safetensors")
+    assert_same_weights(full / "model/model.safetensors", out / "model/model.safetensors", WEIGHT_TOL)
 
 
 def test_a_failed_universal_conversion_is_one_line(tmp_path):
@@ -510,33 +504,20 @@ def test_a_failed_universal_conversion_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_sharded_states_resume_on_more_processes(name, tmp_path, sample_dir, datasets_cache, shared_tokenizer):
-    """1 -> 2, the other way round: a one-process run's step-8 checkpoint continued by two processes ends with
-    the one-process run's weights (tolerance 1e-5)."""
+def test_sharded_states_resume_on_more_processes(name, row_run, tmp_path, sample_dir, datasets_cache,
+                                                shared_tokenizer):
+    """1 -> 2, the other way round: a one-process run halted at step 8, continued by two processes, ends with
+    the uninterrupted 2-process row's weights (tolerance 1e-5)."""
+    full, _ = row_run(name)
     args = lambda out, **extra: tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, **extra))  # noqa: E731
-    single = launch(1, args(tmp_path / "single"), backend=name)
-    assert single["final"]["num_processes"] == 1 and single["final"]["backend"]["distributed_type"] == ENGAGED[name]
+    single = launch(1, args(tmp_path / "single", **{"train.halt_at_step": 8}), backend=name)
+    assert single["final"] == {"steps": 8, "halted": True}
     two = launch(2, args(tmp_path / "two", **{"checkpoint.resume": str(tmp_path / "single/checkpoints/step_00000008")}),
                  backend=name)
     assert two["final"]["num_processes"] == 2 and two["final"]["steps"] == STEPS
     assert two["final"]["backend"]["distributed_type"] == ENGAGED[name] and two["final"]["backend"]["params_sharded"]
     assert "the world size changed, 1 -> 2 processes" in (tmp_path / "two.log").read_text()
-    assert_same_weights(tmp_path / "single/model/model.safetensors", tmp_path / "two/model/model.safetensors")
-
-
-def refused_on_one(args: list[str], backend: str, config: Path | None = None) -> str:
-    """train.py launched on one process as the Make targets launch it (bert_recipes.launch: the rank's exit
-    code), for a resume that must be refused: exit code 2, one config error line and no traceback. -> the line."""
-    import subprocess
-
-    from conftest import REPO, launch_commands
-    (cmd,), env = launch_commands("train.py", [f"--{a}" for a in args], 1, backend=backend, config=config)
-    done = subprocess.run([sys.executable, "-m", "bert_recipes.launch", *cmd], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("config error:")]
-    assert done.returncode == 2 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    return errors[0]
+    assert_same_weights(full / "model/model.safetensors", tmp_path / "two/model/model.safetensors", WEIGHT_TOL)
 
 
 def test_a_backend_and_process_count_change_is_one_line(row_run, tmp_path, sample_dir, datasets_cache,
@@ -545,14 +526,13 @@ def test_a_backend_and_process_count_change_is_one_line(row_run, tmp_path, sampl
     naming both layouts and the fix, before any rank trains (it was DeepSpeed's ZeRORuntimeException
     traceback), nothing written."""
     full, _ = row_run("zero2")
-    out, universal = tmp_path / "zero3", full / "checkpoints/step_00000008/universal"
-    converted = universal.exists()   # by test_sharded_states_resume_on_another_number_of_processes, if it ran first
-    error = refused_on_one(tiny_args(out, sample_dir, datasets_cache, **common(
-        shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")})), "zero3")
+    checkpoints = snapshot(full / "checkpoints")
+    error = refused_launched(tiny_args(tmp_path / "zero3", sample_dir, datasets_cache, **common(
+        shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")})), tmp_path, "zero3")
     assert ("was saved by 2 processes under zero2 (2 data-parallel replicas) and this run has 1 under zero3 (1 "
             "data-parallel replicas): the backend and the process count cannot both change in one resume; resume on 2 "
             "processes (NPROC=2) under zero2" in error), error
-    assert not (out / "checkpoints").exists() and universal.exists() == converted
+    assert snapshot(full / "checkpoints") == checkpoints   # no universal conversion either
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -244,7 +244,8 @@ def test_the_sampler_aggregates_each_window_and_stops():
     window = sampler.window()
     assert window == {"samples": 3, "busy_mean": 76.7, "busy_min": 40, "mem_busy_mean": 38.3, "temp_max": 60,
                       "sm_clock_min": 1940, "throttle": 0x44}
-    time.sleep(0.05)
+    while not sampler.rows and time.time() < deadline:   # the next window's first rows
+        time.sleep(0.01)
     sampler.stop()
     assert not sampler.thread.is_alive()
     second = sampler.window()

@@ -12,11 +12,10 @@ import threading
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from bert_recipes.checkpoint import complete_checkpoints, resolve_resume
-from conftest import REPO, launch, launch_watched, tiny_args, worker_pids
+from conftest import REPO, assert_same_weights, launch, launch_watched, tiny_args, worker_pids
 
 STEPS = 32
 NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
@@ -42,13 +41,6 @@ def reference(tmp_path_factory, sample_dir, datasets_cache, shared_tokenizer):
     return run
 
 
-def assert_equal_weights(out, expected, atol=1e-6):
-    got = load_file(out / "model/model.safetensors")
-    assert got.keys() == expected.keys()
-    for k in got:
-        torch.testing.assert_close(got[k], expected[k], atol=atol, rtol=0, msg=k)
-
-
 def at_step(n: int, action):
     """React once the log shows training step n (log_every 1)."""
     def react(line, proc):
@@ -64,7 +56,7 @@ def resume_and_compare(args, backend, launcher, expected, out):
     final = resumed["final"]
     assert final["steps"] == STEPS and final["num_processes"] == 2
     assert final["backend"]["name"] == ("pipeline" if backend == "pipeline" else backend)
-    assert_equal_weights(out, expected)
+    assert_same_weights(expected, out / "model/model.safetensors", 1e-6)
     return (out.parent / f"{out.name}.log").read_text()
 
 
@@ -102,7 +94,7 @@ def test_signal_to_the_launcher_saves_the_step_reached_and_resume_is_exact(backe
         final = launch(1, args + ["checkpoint.resume=auto"], backend=backend)["final"]
         assert final["steps"] == STEPS and final["num_processes"] == 1 and final["backend"]["name"] == "ddp"
         assert "the world size changed, 2 -> 1 processes" in (out.parent / f"{out.name}.log").read_text()
-        assert_equal_weights(out, reference(backend), atol=1e-5)
+        assert_same_weights(reference(backend), out / "model/model.safetensors", 1e-5)
     elif resume:
         log = resume_and_compare(args, backend, launcher, reference(backend), out)
         assert f"[resume] from {out}/checkpoints/step_{step:08d} at step {step}" in log

@@ -51,6 +51,22 @@ def universal_checkpoint(checkpoint: Path, tag: str = "pytorch_model") -> Path:
 
 
 @contextlib.contextmanager
+def resharded(checkpoint: Path, processes: int, ds_engine, is_main: bool, broadcast, tag: str = "pytorch_model"):
+    """The directory a DeepSpeed engine loads from: the checkpoint itself, or, saved by another number of
+    processes, its universal conversion (rank 0 makes it once, rank0.on_rank0), with DeepSpeed's universal
+    load on for as long as the block runs. Both engines load through here (engine.py, pipeline.py)."""
+    from ..checkpoint import saved_layout
+    from ..rank0 import on_rank0
+    saved = saved_layout(checkpoint)
+    if not saved or saved.get("world") == processes:
+        yield checkpoint
+        return
+    universal = on_rank0(is_main, broadcast, lambda: universal_checkpoint(checkpoint, tag))
+    with loading_universal(ds_engine):
+        yield universal
+
+
+@contextlib.contextmanager
 def loading_universal(engine):
     """DeepSpeed reads its config's load_universal_checkpoint inside load_checkpoint (engine.py): on for this
     load. Two slips of ZeRO-3's universal load are mended after it (stage3.py,
