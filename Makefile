@@ -77,8 +77,9 @@ NPROC_ARG = $(if $(NPROC),--num_processes $(NPROC),$(if $(CPU),--num_processes 2
 CPU_ENV   = $(if $(CPU),$(filter-out -,$(call col,$@,4)))
 # On GPUs each rank is bound to the CPUs of its GPU's NUMA node (accelerate's ACCELERATE_CPU_AFFINITY: the YAML's
 # enable_cpu_affinity key is ignored by accelerate 1.15's launcher), unless CUDA_VISIBLE_DEVICES selects GPUs
-# accelerate would bind wrongly (tools/affinity.sh). AFFINITY=0 turns it off.
-AFFINITY ?= $(shell tools/affinity.sh)
+# accelerate would bind wrongly (tools/affinity.sh). AFFINITY=0 (or ACCELERATE_CPU_AFFINITY=0 in the
+# environment, as slurm/launch.sh reads it) turns it off.
+AFFINITY ?= $(or $(ACCELERATE_CPU_AFFINITY),$(shell tools/affinity.sh))
 GPU_ENV   = $(if $(CPU),,ACCELERATE_CPU_AFFINITY=$(AFFINITY))
 MODE_CONFIG = $(or $(CONFIG),$(if $(CPU),$(filter-out -,$(call col,$@,3))),$(call col,$@,2))
 

@@ -40,7 +40,7 @@ from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.export import model_card
 from bert_recipes.guard import (EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
-                                StopAgreement, all_max, is_collective_timeout, leave, preempted_exit_code)
+                                StopAgreement, is_collective_timeout, leave, preempted_exit_code)
 from bert_recipes.interface import Engine, check_engine
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
@@ -287,15 +287,15 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
         row["host_syncs"] = run.audit.read_window()
         if engine.on_gpu:       # torch's sync debug mode, on in the steps
             row["sync_warnings"] = run.audit.read_warnings()
-    # the worst rank's data wait and, on GPUs, the sampler's window (one small all-reduce, at log steps only)
+    # the worst rank's data wait and, on GPUs, the allocator's peak since the loop began and the sampler's window:
+    # the largest over the ranks, in one small all-reduce, at log steps only
     row.update(rank_extremes(row.pop("local_data_wait_share"), run.sampler.window() if run.sampler else None,
-                             engine.control))
+                             torch.cuda.max_memory_allocated() / 1e9 if engine.on_gpu else None, engine.control))
     _, warning = watch.verdict(row["data_wait_worst"], row["window_steps"], row["window_s"], row.get("gpu_busy_least_rank"))
     if warning:
         engine.print0(warning)
     memory = ""
-    if engine.on_gpu:   # the allocator's peak since the loop began, the largest over the ranks
-        row["peak_memory_gb"] = all_max([torch.cuda.max_memory_allocated() / 1e9], engine.control)[0]
+    if engine.on_gpu:
         memory = f" peak mem {row['peak_memory_gb']:.2f} GB (max over ranks; predicted {run.predicted_peak_gb:.2f})"
     run.state["tokens_seen"] = run.state.get("tokens_seen", 0) + int(row["window_tokens"])
     run.state["history"]["train"].append(row)

@@ -269,12 +269,18 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
     return []
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """`path`, or its nearest parent that exists (where a run would create it), absolute."""
+    return next(p for p in [Path(path).expanduser().absolute(), *Path(path).expanduser().absolute().parents]
+                if p.exists())
+
+
 def check_writable_dir(path: Path, key: str) -> None:
     """`path` is a directory, or can be made one: its nearest existing ancestor is a writable directory."""
     path = Path(path)
     if path_kind(path, key) == "file":
         raise ConfigError(f"{key}={path} is a file, not a directory: give a directory path (it is created if missing)")
-    existing = next(p for p in [path, *path.absolute().parents] if p.exists())
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise ConfigError(f"{key}={path}: {existing} is a file, so the directory cannot be created there; "
                           "give another path")

@@ -202,7 +202,8 @@ def _plan_pipeline(backend: str, shape: Shape, work: Workload, launch: Launch, a
     boundary = 2 * work.batch * work.seq * h * k * in_flight   # activations sent and received
     shard = math.ceil(stage_params / dp)
     notes = [f"{stages} stages x {dp} replicas; the largest stage holds {fmt(k * stage_params)} of weights, "
-             f"{in_flight} micro batches in flight on the first"]
+             f"{in_flight} micro batches in flight on the first"] + ([bubble_line(stages, launch.micro_batches)]
+                                                                      if stages > 1 else [])
     if launch.pipeline_zero >= 1:   # ZeRO-1 over the replicas (ds_configs/pipeline.json), as zero1 above
         return Plan(backend, k * stage_params, k * shard, shard * (4 + 8), activations,
                     boundary + k * stage_params + logits_grad, notes)

@@ -159,16 +159,17 @@ class DataLoaderWatch:
         return share, "\n".join(lines)
 
 
-def rank_extremes(local_wait: float, gpu: dict | None, group) -> dict:
-    """At a log step: the worst rank's data wait and, where the GPU sampler runs (bert_recipes/doctor/nvml.Sampler),
-    the least busy GPU, the hottest, and whether any rank saw a hardware slowdown: one small all-reduce (MAX) on
-    the control group, every rank taking part with the same four values."""
+def rank_extremes(local_wait: float, gpu: dict | None, peak_gb: float | None, group) -> dict:
+    """At a log step: the worst rank's data wait, the largest allocator peak (peak_gb: this rank's, on GPUs) and,
+    where the GPU sampler runs (bert_recipes/doctor/nvml.Sampler), the least busy GPU, the hottest, and whether
+    any rank saw a hardware slowdown: one small all-reduce (MAX) on the control group, every rank taking part
+    with the same five values."""
     from .doctor.gpu import THROTTLE_FAIL, THROTTLE_WARN
     bad = sum(THROTTLE_FAIL) + sum(THROTTLE_WARN)
-    worst_wait, least_busy, hottest, throttled = all_max(
+    worst_wait, least_busy, hottest, throttled, peak = all_max(
         [local_wait, -gpu["busy_mean"] if gpu else -101.0, gpu["temp_max"] if gpu else 0.0,
-         float(gpu["throttle"] & bad) if gpu else 0.0], group)
-    out = {"data_wait_worst": worst_wait}
+         float(gpu["throttle"] & bad) if gpu else 0.0, peak_gb or 0.0], group)
+    out = {"data_wait_worst": worst_wait, **({"peak_memory_gb": peak} if peak_gb is not None else {})}
     if gpu:
         names = [text for bit, text in {**THROTTLE_FAIL, **THROTTLE_WARN}.items() if int(throttled) & bit]
         out.update(gpu_busy=gpu["busy_mean"], gpu_busy_min=gpu["busy_min"], gpu_busy_least_rank=-least_busy,

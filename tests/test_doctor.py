@@ -191,6 +191,8 @@ def test_minor_version_compatibility_and_the_gpu_count():
     assert by_name(checks, "gpu count").status == "ok"
     numa = by_name(checks, "numa")
     assert numa.status == "warn" and "local rank i to the CPUs of the machine's GPU i" in numa.fix
+    node["env"]["CUDA_VISIBLE_DEVICES"] = "0,1,2,3,4,5,6,7"   # every GPU in NVML's order: affinity binds right
+    assert by_name(judge(node), "numa").status == "ok"
     node = healthy()
     node["gpu"]["torch"][1]["name"] = "NVIDIA A100-SXM4-80GB"
     assert "mixed models" in by_name(judge(node), "gpu count").measured
@@ -257,16 +259,20 @@ def test_the_sampler_aggregates_each_window_and_stops():
 @pytest.mark.parametrize("visible, expected", [(None, "1"), ("0,1,2,3", "1"), ("4,5", "0"), ("0,2", "0"), ("", "0")])
 def test_gpu_launches_bind_ranks_only_where_accelerate_binds_the_right_gpu(visible, expected):
     """accelerate binds local rank i to NVML's GPU i: right only when CUDA_VISIBLE_DEVICES is unset or 0..n-1.
-    (That the ranks see the setting: tests/test_slurm.py, through slurm/launch.sh.)"""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    The Make targets (tools/affinity.sh) and the doctor's numa line apply the same rule. (That the ranks see
+    the setting: tests/test_slurm.py, through slurm/launch.sh.)"""
+    from bert_recipes.doctor.host import affinity_binds_own_gpu
+    assert affinity_binds_own_gpu(visible) == (expected == "1")
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "ACCELERATE_CPU_AFFINITY")}
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     line = subprocess.run(["make", "-n", "zero2"], cwd=REPO, env=env, capture_output=True, text=True,
                           check=True).stdout.strip().splitlines()[-1]
     assert line.startswith(f"ACCELERATE_CPU_AFFINITY={expected} "), line
-    line = subprocess.run(["make", "-n", "zero2", "AFFINITY=0"], cwd=REPO, env=env, capture_output=True, text=True,
-                          check=True).stdout.strip().splitlines()[-1]
-    assert line.startswith("ACCELERATE_CPU_AFFINITY=0 "), line
+    for off in (["AFFINITY=0"], []):   # the Make variable, or the environment's setting (as slurm/launch.sh reads it)
+        line = subprocess.run(["make", "-n", "zero2", *off], cwd=REPO, env={**env, "ACCELERATE_CPU_AFFINITY": "0"}
+                              if not off else env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        assert line.startswith("ACCELERATE_CPU_AFFINITY=0 "), line
 
 
 # ----------------------------------------------------------------------------- yardsticks

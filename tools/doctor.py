@@ -27,6 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bert_recipes.backends.deepspeed import nvme_offloads  # noqa: E402
+from bert_recipes.checkpoint import nearest_existing  # noqa: E402
 from bert_recipes.doctor import exit_code, judge, render  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "evaluate", "tokenizers", "deepspeed")
@@ -58,31 +60,23 @@ def host() -> dict:
     imports loaded (torch, transformers' BERT): a floor for a rank's, which adds its model and batches."""
     import psutil
     import transformers.models.bert.modeling_bert  # noqa: F401  (a rank's imports, for its resident size)
-    meminfo = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M))
+    memory = psutil.virtual_memory()
     nodes = {p.name.removeprefix("node"): (p / "cpulist").read_text().strip()
              for p in sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))}
     return {"hostname": socket.gethostname(), "cpus": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-            "mem_total": int(meminfo["MemTotal"]) * 1024, "mem_available": int(meminfo["MemAvailable"]) * 1024,
+            "mem_total": memory.total, "mem_available": memory.available,
             "numa_nodes": nodes, "process_bytes": psutil.Process().memory_info().rss}
-
-
-def existing(path: str) -> Path:
-    """`path`, or its nearest parent that exists (where a run would create it)."""
-    p = Path(path).expanduser().absolute()
-    while not p.exists():
-        p = p.parent
-    return p
 
 
 def free_bytes(path: str) -> int | None:
     """Free bytes on the file system that holds `path`, None if it cannot be written."""
-    p = existing(path)
+    p = nearest_existing(path)
     return shutil.disk_usage(p).free if os.access(p, os.W_OK) else None
 
 
 def mount_of(path: str) -> str:
     """The mount point of the file system that holds `path` (or would hold it)."""
-    p = existing(path)
+    p = nearest_existing(path)
     while not os.path.ismount(p):
         p = p.parent
     return str(p)
@@ -97,7 +91,7 @@ def run_numbers(recipe: str, config: str | None, nproc: int | None, gpus: int, o
     from bert_recipes.preflight import auto_workers
     cfg = load_config(recipe, overrides)
     backend, launch, plan = read_launch_config(config, nproc or (gpus or None), None, cfg.train.mixed_precision)
-    nodes = max(1, int(plan_nodes(config)))
+    nodes = max(1, plan.num_machines)
     ranks = max(1, launch.world // nodes)
     workers = cfg.data.num_workers
     if workers == "auto":
@@ -106,9 +100,8 @@ def run_numbers(recipe: str, config: str | None, nproc: int | None, gpus: int, o
     micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
     planned = plan_for(backend, shape, cfg, launch, micro, cfg.model.gradient_checkpointing)
     P = shape.params
-    zero = plan.ds_config.get("zero_optimization", {}) if plan.deepspeed else {}
-    nvme = (zero.get("offload_optimizer", {}).get("nvme_path") or zero.get("offload_param", {}).get("nvme_path")
-            if isinstance(zero, dict) else None)
+    nvme = next((o["nvme_path"] for _, o in nvme_offloads(plan.ds_config if plan.deepspeed else {})
+                 if o.get("nvme_path")), None)
     return {"recipe": recipe, "config": config, "backend": backend, "nodes": nodes, "ranks": ranks,
             "workers": int(workers), "host_bytes_per_rank": 0 if nvme else planned.host,
             "deepspeed": bool(plan.deepspeed), "output_dir": cfg.run.output_dir,
@@ -119,13 +112,6 @@ def run_numbers(recipe: str, config: str | None, nproc: int | None, gpus: int, o
             "nvme_path": nvme, "nvme_free": free_bytes(nvme) if nvme else None, "nvme_bytes": planned.host if nvme else 0,
             "nvme_exists": bool(nvme) and Path(nvme).expanduser().exists(), "nvme_mount": mount_of(nvme) if nvme else None,
             "affinity": os.environ.get("ACCELERATE_CPU_AFFINITY") == "1"}
-
-
-def plan_nodes(config: str | None) -> int:
-    if not config:
-        return 1
-    import yaml
-    return int((yaml.safe_load(Path(config).read_text()) or {}).get("num_machines", 1))
 
 
 def collect(args, overrides: list[str]) -> dict:

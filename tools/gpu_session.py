@@ -147,22 +147,20 @@ def versions(session: Session, step: Step) -> None:
         smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=20)
         session.versions["gpu"] = smi.stdout.strip() or smi.stderr.strip()[:200]
-    if session.part == "must":
-        doctor(session, DOCTOR_S)
 
 
 DOCTOR_S = 15   # the node doctor: torch and NVML up, a 5 s bf16 burn on the GPU, the readings
 
 
-def doctor(session: Session, limit_s: int) -> None:
+def doctor(session: Session, step: Step) -> None:
     """make doctor with its burn (tools/doctor.py --json): every verdict and the NVML readings into OUT's
     doctor.json (on CPU processes: the one no-GPU line and the host). A failing check is a finding, not a
     failed step: its lines go to the session's figures."""
     cmd = [session.python(), "tools/doctor.py", "--json", "--burn", "0" if session.rehearse else "5"]
     try:
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=limit_s * session.scale)
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=step.limit_s * session.scale)
     except subprocess.TimeoutExpired:
-        raise StepFailed(f"the node doctor ran past {limit_s * session.scale} s")
+        raise StepFailed(f"the node doctor ran past {step.limit_s * session.scale} s")
     if done.returncode not in (0, 1):
         raise StepFailed("the node doctor: " + (done.stderr.strip().splitlines() or ["no output"])[-1])
     result = json.loads(done.stdout)
@@ -263,7 +261,9 @@ def parts() -> dict[str, list[Step]]:
     must, rest = gpu_rows("gpu-must", True, {}), gpu_rows("gpu-rest", True, {})
     # +5: reading the carried data; without it (no .gpu_data) preparing it here takes PREP_S more
     bench_work = lambda rows: sum(r["limit_s"] for r in rows) + 5   # noqa: E731
-    return {"must": [Step("versions, imports, GPU; the node doctor", 0, 15 + DOCTOR_S, versions),
+    return {"must": [Step("versions, imports, GPU", 0, 15, versions),
+                     Step("the node doctor (its own step: a failed check is a finding, never a failed step)", 0,
+                          DOCTOR_S, doctor),
                      Step("bench: auto micro batch, eager and compiled, against the Trainer", 1, bench_work(must), bench,
                           must),
                      Step("host waits: 12 steps with logging.sync_audit and torch's sync debug mode", 1, 15, sync_debug)],

@@ -33,8 +33,7 @@ from bert_recipes.backends.consistency import resolve_run  # noqa: E402
 from bert_recipes.backends.plan import LaunchPlan, backend_rows, plan_from_config_file  # noqa: E402
 from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
 from bert_recipes.memory import (BACKENDS, GiB, Launch, fmt, launch_of, plan_backend, planner_row,  # noqa: E402
-                                 bubble_line, pipeline_stages, predict_run, replicas,
-                                 step_precision)
+                                 predict_run, replicas, step_precision)
 
 CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: not usable by tensors
 
@@ -194,10 +193,6 @@ def print_plan(args, cfg) -> dict:
     for name in BACKENDS:
         for line in out[name]["notes"]:
             print(f"  {name}: {line}")
-    if launch.world >= 2:
-        stages = pipeline_stages(launch)
-        accum = max(1, cfg.train.global_batch_size // (micro * replicas("pipeline", launch)))
-        print(f"  {bubble_line(stages, accum)}")
     lines = verdict(backend, shape, cfg, launch, memory)
     if note:
         lines[0] += " (assumed shape)"

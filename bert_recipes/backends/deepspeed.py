@@ -94,16 +94,20 @@ def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: i
     conflicts += ds_block_conflicts(cfg, ds, name)
     if plan.pipeline:
         conflicts += pipeline_conflicts(cfg, plan, name)
-    zero = ds.get("zero_optimization", {})
-    for kind in ("offload_optimizer", "offload_param"):
-        offload = zero.get(kind) or {}
-        if offload.get("device") == "nvme":
-            path = offload.get("nvme_path")
-            if not path:
-                conflicts.append(f"{kind} to nvme needs nvme_path in {name}")
-            elif not Path(path).is_dir() or not os.access(path, os.W_OK):
-                conflicts.append(f"{kind}.nvme_path={path} in {name} is not a writable directory on this machine")
+    for kind, offload in nvme_offloads(ds):
+        path = offload.get("nvme_path")
+        if not path:
+            conflicts.append(f"{kind} to nvme needs nvme_path in {name}")
+        elif not Path(path).is_dir() or not os.access(path, os.W_OK):
+            conflicts.append(f"{kind}.nvme_path={path} in {name} is not a writable directory on this machine")
     return conflicts
+
+
+def nvme_offloads(ds: dict) -> list[tuple[str, dict]]:
+    """(offload_optimizer | offload_param, its section) for each ZeRO offload to NVMe in a DeepSpeed JSON."""
+    zero = ds.get("zero_optimization") or {}
+    return [(kind, zero[kind]) for kind in ("offload_optimizer", "offload_param")
+            if isinstance(zero.get(kind), dict) and zero[kind].get("device") == "nvme"]
 
 
 def pipeline_conflicts(cfg: Config, plan: LaunchPlan, name: str) -> list[str]:
@@ -260,12 +264,10 @@ def private_swap_dirs(accelerator, output_dir: Path) -> list[Path]:
     leaves its swap files behind (the model's size several times over, on every node)."""
     import hashlib
     plugin = accelerator.state.deepspeed_plugin
-    zero = plugin.deepspeed_config.get("zero_optimization", {}) if plugin is not None else {}
     tag = hashlib.sha256(str(Path(output_dir).absolute()).encode()).hexdigest()[:10]
     dirs = []
-    for key in ("offload_optimizer", "offload_param"):
-        section = zero.get(key) or {}
-        if section.get("device") == "nvme" and section.get("nvme_path"):
+    for _, section in nvme_offloads(plugin.deepspeed_config if plugin is not None else {}):
+        if section.get("nvme_path"):
             section["nvme_path"] = str(Path(section["nvme_path"]) / f"bert-recipes-swap-{tag}")
             dirs.append(Path(section["nvme_path"]))
     return sorted(set(dirs))

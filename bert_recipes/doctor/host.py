@@ -80,6 +80,13 @@ def cores_check(host: dict, ranks: int, workers: int, gpus: int) -> Check:
     return Check("host cores", "ok", said, f"<= {cores}")
 
 
+def affinity_binds_own_gpu(visible: str | None) -> bool:
+    """tools/affinity.sh's rule: accelerate binds local rank i to NVML's GPU i, which is the rank's own GPU
+    only when CUDA_VISIBLE_DEVICES is unset or lists 0,1,...,n-1."""
+    return visible is None or (visible != "" and [v.strip() for v in visible.split(",")] ==
+                               [str(i) for i in range(len(visible.split(",")))])
+
+
 def numa_check(readings: dict, host: dict) -> Check:
     nodes = host.get("numa_nodes") or {}
     gpus = (readings.get("gpu") or {}).get("gpus", [])
@@ -90,7 +97,7 @@ def numa_check(readings: dict, host: dict) -> Check:
     if len(nodes) <= 1 or not gpus:
         return Check("numa", "ok", said + ": nothing to bind")
     visible = readings.get("env", {}).get("CUDA_VISIBLE_DEVICES")
-    if affinity and visible is not None:
+    if affinity and not affinity_binds_own_gpu(visible):
         return Check("numa", "warn", said + f", CUDA_VISIBLE_DEVICES={visible}", "affinity by the GPU each rank uses",
                      "accelerate binds local rank i to the CPUs of the machine's GPU i (NVML's order), not of "
                      "the i-th visible one: unset CUDA_VISIBLE_DEVICES or turn affinity off (ACCELERATE_CPU_AFFINITY=0)")
@@ -135,6 +142,7 @@ def nvme_check(run: dict) -> Check:
 def nccl_checks(readings: dict) -> list[Check]:
     env = readings.get("env", {})
     gpu = readings.get("gpu") or {}
+    # any NVLink: disabling P2P hurts the pairs that have it (link_of asks for it on every GPU: the yardstick's case)
     nvlink = any(isinstance(g.get("nvlink_active"), int) and g["nvlink_active"] > 0 for g in gpu.get("gpus", []))
     nodes = (readings.get("run") or {}).get("nodes", 1)
     checks = []
