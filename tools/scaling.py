@@ -23,12 +23,12 @@ from gpu_check import REPO, add_run_arguments, rows, run_row   # noqa: E402  (sa
 
 def yardsticks(results: list[dict]) -> list[str]:
     """Each count's efficiency against the guides' figure for the link the doctor finds (bert_recipes/doctor)."""
-    from bert_recipes.doctor import judge
-    from bert_recipes.doctor.gpu import link_of, scaling_verdict
+    from bert_recipes.doctor.gpu import gpu_checks, link_of, scaling_verdict
+    from bert_recipes.doctor.host import nccl_checks
     from bert_recipes.doctor.nvml import read_gpus
     gpu, _ = read_gpus(0)
     readings = {"gpu": gpu, "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
-    suspects = [c.line() for c in judge(readings) if c.status != "ok"
+    suspects = [c.line() for c in gpu_checks(readings) + nccl_checks(readings) if c.status != "ok"
                 and c.name.split()[0] in ("pcie", "topology", "clocks", "env", "gpu")]
     return ["yardstick: " + scaling_verdict(r["n"], r["efficiency"], link_of(gpu), suspects) for r in results]
 

@@ -25,7 +25,13 @@ THROTTLE_BENIGN = {0x1: "idle", 0x2: "application clocks setting", 0x4: "softwar
                    0x10: "sync boost", 0x100: "display clock setting"}
 
 # Scaling of data-parallel BERT the field guides measured (docs/troubleshooting.md cites them):
-SCALING = {"pcie": "2 GPUs 1.81x, 4 GPUs 3.10x (77%)", "nvlink": "4 GPUs 3.76x (94%), 8 GPUs about 7.8x"}
+# Scaling efficiency of data-parallel BERT in the field guides, by link and GPU count (speedup / GPUs).
+GUIDE_EFFICIENCY = {"pcie": {2: 1.81 / 2, 4: 3.10 / 4}, "nvlink": {4: 3.76 / 4, 8: 7.8 / 8}}
+
+
+def guide_scaling(link: str) -> str:
+    """The guides' figures for a link, as the topology line quotes them: '2 GPUs 1.81x (90%), ...'."""
+    return ", ".join(f"{n} GPUs {e * n:.2f}x ({e:.0%})" for n, e in GUIDE_EFFICIENCY[link].items())
 
 
 def version(text: str) -> tuple[int, ...]:
@@ -213,14 +219,12 @@ def topology_check(gpu: dict) -> Check:
     if n == 1:
         return Check("topology", "ok", said + "; one GPU: nothing to all-reduce")
     if counts and min(counts) > 0:
-        return Check("topology", "ok", said + f": DDP should scale as NVLink nodes do ({SCALING['nvlink']}); "
+        return Check("topology", "ok", said + f": DDP should scale as NVLink nodes do ({guide_scaling('nvlink')}); "
                      "pipeline stages talk over NVLink")
-    return Check("topology", "ok", said + f": all-reduce over PCIe, expect {SCALING['pcie']}; the pipeline's "
+    return Check("topology", "ok", said + f": all-reduce over PCIe, expect {guide_scaling('pcie')}; the pipeline's "
                  "point-to-point sends cost less than DDP's all-reduce there")
 
 
-# Scaling efficiency of data-parallel BERT in the field guides, by link and GPU count (speedup / GPUs).
-GUIDE_EFFICIENCY = {"pcie": {2: 1.81 / 2, 4: 3.10 / 4}, "nvlink": {4: 3.76 / 4, 8: 7.8 / 8}}
 BAND = 0.10   # below the guide's figure by more than this, something on the node is suspect
 
 

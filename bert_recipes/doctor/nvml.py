@@ -88,6 +88,11 @@ def read_device(index: int, under_load: bool = False) -> dict:
     return reading
 
 
+def nvml_uuid(uuid: str) -> str:
+    """torch's device UUID in NVML's spelling ("GPU-" in front), how the two are matched."""
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
 def read_gpus(burn_s: float = 0.0) -> tuple[dict | None, str | None]:
     """-> (readings["gpu"], None), or (None, why not). With burn_s > 0 every GPU torch sees runs bf16 matmuls
     for that long and the link, clocks and throttle reasons are read near its end (an idle GPU lowers its
@@ -115,7 +120,7 @@ def torch_devices() -> tuple[list[dict], list[list[bool]]]:
     for i in range(torch.cuda.device_count()):   # 0 without a driver or a CUDA build
         props = torch.cuda.get_device_properties(i)
         uuid = str(getattr(props, "uuid", ""))
-        devices.append({"index": i, "name": props.name, "uuid": uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"})
+        devices.append({"index": i, "name": props.name, "uuid": nvml_uuid(uuid)})
     n = len(devices)
     peer = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
     return devices, peer
@@ -224,7 +229,7 @@ def start_sampler(device) -> tuple[Sampler | None, str | None]:
         try:
             import torch
             uuid = str(torch.cuda.get_device_properties(device).uuid)
-            return Sampler(nvml_sample(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"), device.index or 0).start(), None
+            return Sampler(nvml_sample(nvml_uuid(uuid)), device.index or 0).start(), None
         except Exception as err:   # noqa: BLE001 (a diagnostic: the run is the point)
             why = f"{type(err).__name__}: {str(err)[:120]}"
     return None, f"[gpu] logging.gpu_sampler: no GPU utilisation in the log lines ({why}); training goes on without it"
