@@ -30,7 +30,8 @@ def looks_local(name: str) -> bool:
 
 
 def check_paths(cfg: Config) -> None:
-    """The local paths the run reads: model and tokenizer directories, data files, prepared data."""
+    """The local paths the run reads: model and tokenizer directories, data files, prepared data, the
+    checkpoint to resume."""
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("tokenizer.name_or_path", cfg.tokenizer.name_or_path)):
         if name:
             path_kind(Path(name) / "config.json", key)   # a directory this user may not look into: one line
@@ -40,11 +41,6 @@ def check_paths(cfg: Config) -> None:
         if name and looks_local(name) and not Path(name).expanduser().is_dir():
             raise ConfigError(f"{key}={name}: cannot load it: no such directory (give a Hugging Face model directory, "
                               "such as an export's model/, or a Hub name)")
-    built = cfg.data.source == "sample" and path_kind(Path(cfg.data.sample_dir) / "manifest.json", "data.sample_dir") == "file"
-    for key, path in (("data.cache_dir", cfg.data.cache_dir),   # a built sample is only read (sample.build_sample)
-                      ("data.sample_dir", cfg.data.sample_dir if cfg.data.source == "sample" and not built else None)):
-        if path is not None:
-            check_writable_dir(Path(path), key)
     if cfg.data.source == "files":
         check_data_files(cfg.data)
     if cfg.data.source == "prepared":
@@ -52,20 +48,41 @@ def check_paths(cfg: Config) -> None:
     check_resume_path(cfg.checkpoint.resume)
 
 
+def check_caches(cfg: Config) -> None:
+    """The cache directories the run writes into: the datasets cache, and the sample's directory when the
+    sample is still to be built (a built sample is only read: sample.build_sample)."""
+    built = cfg.data.source == "sample" and path_kind(Path(cfg.data.sample_dir) / "manifest.json", "data.sample_dir") == "file"
+    for key, path in (("data.cache_dir", cfg.data.cache_dir),
+                      ("data.sample_dir", cfg.data.sample_dir if cfg.data.source == "sample" and not built else None)):
+        if path is not None:
+            check_writable_dir(Path(path), key)
+
+
 def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) -> list[str]:
     """Every check that needs no data, model or process group; raises ConfigError naming the field.
     Fills the settings `resolve` derives and train.micro_batch_size=auto, and resolves the plan
-    (backends.consistency.resolve_run) that the engines read. -> the notes to print once the run starts."""
+    (backends.consistency.resolve_run) that the engines read. -> the notes to print once the run starts.
+
+    Which mistake is told first when a run has several (one line, the first found): from what the user
+    wrote to what is on disk.
+      1. the recipe and its overrides (their types, ranges and relations: validate, resolve);
+      2. the launch files (the accelerate YAML and DeepSpeed JSON, as their libraries read them: plan.py)
+         against the recipe, and the recipe against the device (resolve_run and the checks around it);
+      3. the paths the run reads (model, tokenizer, data, the checkpoint to resume);
+      4. the places it writes: the output directory (another run's checkpoints in it) and the caches.
+    A mistake in what was written makes the later checks moot (a fixed recipe may point elsewhere), and the
+    disk's state is read last because fixing an earlier mistake often changes it (another output_dir)."""
     validate(cfg)
     notes = resolve(cfg) + choose_micro_batch(cfg, plan, world_size, env) + choose_loader(cfg, plan, env)
-    # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
-    notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
-    check_paths(cfg)
     check_trackers(cfg.logging.trackers)
     if plan.on_gpu and cfg.model.dropout_impl == "packed":   # on_gpu: decided once, with the plan
         raise ConfigError("model.dropout_impl=packed is for CPUs (it replaces a CPU's slow serial dropout masks); "
                           "on GPUs torch's fused dropout is the fast one: use model.dropout_impl=torch")
     resolve_run(cfg, plan, world_size)   # world, accumulation, precision, TF32, masks; recipe vs launch files
+    check_paths(cfg)
+    # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
+    notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
+    check_caches(cfg)
     return notes
 
 

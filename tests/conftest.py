@@ -100,7 +100,15 @@ def started_warm(fragment: str) -> int:
     return sum(line.startswith("warm\t") and fragment in line for line in _WARM["log"].read_text().splitlines())
 
 
+# What the project's commands write into the working tree by default (runs/<name>, data/sample, data/prepared):
+# a test writes under its tmp_path instead, and reads none of it, so the suite runs the same before and after
+# `make demo` (the README's order). The suite fails when it changed them.
+TREE_OUTPUTS = ("runs", "data")
+_TREE: dict = {}
+
+
 def pytest_sessionstart(session):
+    _TREE.update({root: snapshot(REPO / root) for root in TREE_OUTPUTS})
     _start_warm_server()
 
 
@@ -161,6 +169,11 @@ def _clear_stale_build_locks(grace_s: float = 120.0) -> None:
 def pytest_sessionfinish(session, exitstatus):
     for build in _BUILDS:   # collect a finished build's exit status (no zombie); a running one goes on
         build.poll()
+    changed = [root for root, before in _TREE.items() if snapshot(REPO / root) != before]
+    if changed:
+        print(f"\n[conftest] the suite changed the working tree's {', '.join(r + '/' for r in changed)}: a test wrote "
+              "where a run writes by default; give it a directory under its tmp_path", file=sys.stderr)
+        session.exitstatus = 1
     if "server" in _WARM:   # it also stops by itself when pytest is gone
         _WARM["server"].terminate()
 

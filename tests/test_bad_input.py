@@ -190,6 +190,13 @@ CASES = [
      "train_batch_size=64"),
     ("DeepSpeed JSON contradicts the recipe", lambda c, m: (_ds_env(c, m, '{"gradient_clipping": 0.3}'), c.args())[1],
      "clipping: recipe optim.max_grad_norm=1.0"),
+    # ---- two mistakes at once: the first in preflight's order (what was written, then what is on disk)
+    ("a launch conflict and an output_dir holding this run",
+     lambda c, m: (shutil.copytree(c.old_run, c.out), _ds_env(c, m, '{"train_batch_size": 64}'),
+                   c.args(**{"train.max_steps": 8, "checkpoint.save_every": 4}))[2], "train_batch_size=64"),
+    ("a wrong recipe value and a missing data file",
+     lambda c, m: c.args(**{"optim.lr": 0, "data.source": "files", "data.train_files": "[/no/such.txt]"}),
+     "optim.lr=0.0 is not allowed"),
     ("LAMB under ZeRO", lambda c, m: (_ds_env(c, m, '{"zero_optimization": {"stage": 2}}'),
                                       c.args(**{"optim.name": "lamb"}))[1],
      "optim.name=lamb needs whole parameter tensors"),
@@ -234,8 +241,9 @@ def test_make_refuses_a_missing_or_broken_accelerate_config(text, expected, tmp_
     path = tmp_path / "acc.yaml"
     if text is not None:
         path.write_text(text)
-    proc = subprocess.run(["make", "-s", "zero2", f"CONFIG={path}", f"RECIPE={REPO / 'recipes/tiny-mlm.yaml'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(["make", "-s", "zero2", f"CONFIG={path}", f"RECIPE={REPO / 'recipes/tiny-mlm.yaml'}",
+                           f"ARGS=--run.output_dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
     assert len(lines) == 1 and expected.format(path=path) in lines[0], proc.stderr
@@ -257,9 +265,10 @@ def _zero2_config(tmp_path: Path, ds_text: str) -> Path:
     ('{"train_batch_size": 128}', "global batch: recipe train.global_batch_size=64"),
 ])
 def test_make_refuses_a_broken_deepspeed_json_before_the_launch(ds_text, expected, tmp_path):
+    # run.output_dir in the test's own directory: the recipe's default (runs/tiny-mlm) may hold a demo's checkpoints
     proc = subprocess.run(["make", "-s", "zero2", "CPU=1", f"CONFIG={_zero2_config(tmp_path, ds_text)}",
-                           f"RECIPE={REPO / 'recipes/tiny-mlm.yaml'}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                           f"RECIPE={REPO / 'recipes/tiny-mlm.yaml'}", f"ARGS=--run.output_dir={tmp_path / 'out'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
     assert proc.returncode != 0 and len(lines) == 1 and expected in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and "accelerate launch" not in proc.stdout
