@@ -418,11 +418,100 @@ def set_key(cfg: Config, dotted: str, raw: str) -> None:
         value = None if (tp != str and raw in ("null", "None", "~")) else raw
     else:
         try:
-            value = yaml.safe_load(raw)
+            value = load_yaml(raw, f"override {dotted}={raw!r}")
         except yaml.YAMLError as e:
             raise ConfigError(f"override {dotted}={raw!r} is not valid YAML: {yaml_problem(e)}") from None
     section, key = dotted.split(".")
     _merge(cfg, {section: {key: value}})
+
+
+# ---------------------------------------------------------------------------- the files users write
+# Recipes, overrides, accelerate configs and DeepSpeed JSONs. PyYAML and json keep the last of a key written
+# twice in one mapping, without a word: the run then goes ahead on a value the user may have meant to replace.
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def load_yaml(text: str, where: str):
+    """yaml.safe_load(text), refusing a key written twice in one mapping: one line naming the key, its two
+    lines and `where` (e.g. "recipe recipes/x.yaml"). YAML's `<<` merge keys stay allowed: a key that
+    replaces a merged one is what merging is for. Parse errors are yaml.YAMLError, as from safe_load."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    twice = _yaml_twice(node, "", set()) if node is not None else None
+    if twice:
+        key, first, second = twice
+        raise ConfigError(f"{where}: key '{key}' is written twice (lines {first} and {second}); YAML would keep only "
+                          "the last one, in silence: remove one of them")
+    return yaml.safe_load(text)
+
+
+def _yaml_twice(node, path: str, seen: set) -> tuple[str, int, int] | None:
+    """The first key written twice in one mapping below `node`: (dotted key, line, line)."""
+    if id(node) in seen:   # an alias: checked where its anchor is
+        return None
+    seen.add(id(node))
+    children = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict = {}
+        for key, value in node.value:
+            if key.tag == _MERGE_TAG:
+                children.append((value, path))
+                continue
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            if name is not None and (key.tag, name) in lines:
+                return f"{path}{name}", lines[(key.tag, name)], key.start_mark.line + 1
+            lines[(key.tag, name)] = key.start_mark.line + 1
+            children.append((value, f"{path}{name}."))
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(item, path) for item in node.value]
+    for child, child_path in children:
+        twice = _yaml_twice(child, child_path, seen)
+        if twice:
+            return twice
+    return None
+
+
+def load_json(text: str, where: str):
+    """json.loads(text), refusing a key written twice in one object (json and DeepSpeed's own check give no
+    position: json_twice scans for the lines). JSON errors are json.JSONDecodeError, as from json.loads."""
+    import json
+    data = json.loads(text)
+    twice = json_twice(text)
+    if twice:
+        key, first, second = twice
+        raise ConfigError(f"{where}: key '{key}' is written twice (lines {first} and {second}); JSON would keep only "
+                          "the last one, in silence: remove one of them")
+    return data
+
+
+def json_twice(text: str) -> tuple[str, int, int] | None:
+    """The first key written twice in one object of a valid JSON text: (dotted key, line, line). A small
+    scanner: strings (with their escapes), the nesting of objects and arrays, and which string was a key."""
+    import json
+    frames: list[dict] = []   # per open container: {"keys": {key: line} or None for an array, "path", "key"}
+    line, i, last = 1, 0, None
+    while i < len(text):
+        ch = text[i]
+        if ch == '"':
+            j = i + 1
+            while text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            last, i = json.loads(text[i:j + 1]), j + 1
+            continue
+        if ch == "\n":
+            line += 1
+        elif ch in "{[":
+            parent = frames[-1] if frames else None
+            path = "" if parent is None else parent["path"] + (f"{parent['key']}." if parent["keys"] is not None else "")
+            frames.append({"keys": {} if ch == "{" else None, "path": path, "key": None})
+        elif ch in "}]":
+            frames.pop()
+        elif ch == ":" and frames and frames[-1]["keys"] is not None:
+            frame = frames[-1]
+            if last in frame["keys"]:
+                return f"{frame['path']}{last}", frame["keys"][last], line
+            frame["keys"][last], frame["key"] = line, last
+        i += 1
+    return None
 
 
 def yaml_problem(err) -> str:
@@ -463,7 +552,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         if path_kind(path, "recipe") == "missing":
             raise ConfigError(f"recipe not found: {path}")
         try:
-            data = yaml.safe_load(read_text(path, "recipe", "recipes/tiny-mlm.yaml"))
+            data = load_yaml(read_text(path, "recipe", "recipes/tiny-mlm.yaml"), f"recipe {path}")
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {path} is not valid YAML: {yaml_problem(e)}") from None
         if data is None:

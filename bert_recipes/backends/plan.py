@@ -11,12 +11,14 @@ the memory planner read plans in a fraction of a second.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError, read_text, yaml_problem
+from ..config import ConfigError, first_line, load_json, load_yaml, read_text, yaml_problem
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,11 +117,13 @@ def read_launch_plan(env=os.environ) -> LaunchPlan:
         if not path.exists():
             raise ConfigError(f"DeepSpeed config not found: {path} (from the accelerate config's deepspeed_config_file)")
         try:
-            plan.ds_config = json.loads(read_text(path, "DeepSpeed config", "ds_configs/zero2.json"))
+            plan.ds_config = load_json(read_text(path, "DeepSpeed config", "ds_configs/zero2.json"), f"DeepSpeed config {path}")
         except json.JSONDecodeError as e:
             raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
         if not isinstance(plan.ds_config, dict):
             raise ConfigError(f"DeepSpeed config {path} is not a JSON object")
+        from .deepspeed import ds_json_verdict
+        ds_json_verdict(plan.ds_config, str(path))
     return plan
 
 
@@ -137,7 +141,7 @@ def plan_from_config_file(path: str | Path) -> LaunchPlan:
     variables `accelerate launch` sets from it), for tools that plan without launching."""
     import yaml
     try:
-        config = yaml.safe_load(Path(path).read_text()) or {}
+        config = load_yaml(Path(path).read_text(), f"accelerate config {path}") or {}
     except OSError as err:
         raise ConfigError(f"accelerate config {path}: {err.strerror}; pass an existing file "
                           "(see accelerate_configs/)") from None
@@ -145,7 +149,7 @@ def plan_from_config_file(path: str | Path) -> LaunchPlan:
         raise ConfigError(f"accelerate config {path} is not valid YAML: {yaml_problem(err)}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"accelerate config {path} is not a mapping of settings (see accelerate_configs/)")
-    kind = str(config.get("distributed_type", "NO")).upper()
+    kind = accelerate_verdict(path, config)
     ds = config.get("deepspeed_config") or {}
     env = {"ACCELERATE_USE_DEEPSPEED": str(kind == "DEEPSPEED"), "ACCELERATE_USE_FSDP": str(kind == "FSDP"),
            "ACCELERATE_USE_CPU": str(config.get("use_cpu", False))}
@@ -160,6 +164,70 @@ def plan_from_config_file(path: str | Path) -> LaunchPlan:
     plan.num_processes = int(config.get("num_processes", 1))
     plan.num_machines = int(config.get("num_machines", 1))
     return plan
+
+
+@contextlib.contextmanager
+def quiet_fds():
+    """The process's stdout and stderr (the file descriptors, which a library's logging handler writes to
+    whatever sys.stdout was when it was made) sent to /dev/null meanwhile."""
+    import sys
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1), os.dup2(null, 2)
+        yield
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+# Accelerate's enums, by the class name its refusal quotes ("'x' is not a valid DistributedType") -> the field
+ACCELERATE_ENUMS = {"DistributedType": "distributed_type", "SageMakerDistributedType": "distributed_type",
+                    "ComputeEnvironment": "compute_environment", "PrecisionType": "mixed_precision",
+                    "DynamoBackend": "dynamo_config.dynamo_backend"}
+
+
+def accelerate_verdict(path, config: dict) -> str:
+    """Accelerate's own reading of its YAML, before the launch: load_config_from_file (it checks
+    distributed_type, compute_environment and unknown keys), then the enums it leaves to `accelerate launch`
+    (mixed_precision, as PrecisionType(value.lower()); dynamo_config.dynamo_backend, as
+    DynamoBackend(value.upper())). Its refusal is one line naming the file and the field. -> the
+    distributed_type, as Accelerate reads it."""
+    import re
+
+    with quiet_fds():   # importing Accelerate imports DeepSpeed, which prints its accelerator line
+        import accelerate.utils as au
+        from accelerate.commands.config.config_args import load_config_from_file
+    try:
+        # a compute_environment it does not know would make it read the file as a SageMaker config, and name
+        # every cluster key as unknown: its own enum first
+        au.ComputeEnvironment(config.get("compute_environment", au.ComputeEnvironment.LOCAL_MACHINE))
+        loaded = load_config_from_file(str(path))
+        precision = loaded.mixed_precision
+        if precision is not None:   # accelerate launch: PrecisionType(args.mixed_precision.lower())
+            au.PrecisionType(precision.lower() if isinstance(precision, str) else precision)
+        backend = (loaded.dynamo_config or {}).get("dynamo_backend")
+        if backend is not None:     # accelerate launch: DynamoBackend(args.dynamo_backend.upper())
+            au.DynamoBackend(backend.upper() if isinstance(backend, str) else backend)
+    except (ValueError, TypeError, AttributeError) as err:
+        text = first_line(err)
+        enum = re.search(r"is not a valid (\w+)", text)
+        unknown = re.search(r"unknown keys \((.*?)\)", text)
+        if enum and enum.group(1) in ACCELERATE_ENUMS:
+            field = ACCELERATE_ENUMS[enum.group(1)]
+            value = functools.reduce(lambda d, k: (d or {}).get(k), field.split("."), config)
+            choices = ", ".join(str(c.value) for c in getattr(au, enum.group(1)))
+            fix = f"use one of {choices}"
+            said = f"{field}={value!r} is refused by Accelerate"
+        elif unknown:
+            said, fix = f"{unknown.group(1)} are not keys Accelerate knows", "remove them (accelerate_configs/ shows the keys)"
+        else:
+            said, fix = f"Accelerate refuses it ({text})", "compare it with accelerate_configs/"
+        raise ConfigError(f"accelerate config {path}: {said}; {fix}") from None
+    return str(getattr(loaded.distributed_type, "value", loaded.distributed_type))
 
 
 def pipeline_replicas(plan: LaunchPlan, world_size: int) -> int:
