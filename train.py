@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
@@ -30,6 +31,7 @@ if __name__ == "__main__":   # a mistake in the recipe or its overrides: one lin
 
 import torch  # noqa: E402 (after the command line's check)
 
+from bert_recipes.activations import Shape
 from bert_recipes.backends.plan import launch_plan_here
 from bert_recipes.checkpoint import (check_shared_output_dir, read_train_state, resolve_resume, resume_layout, run_layout,
                                      save_checkpoint, saved_layout,
@@ -38,9 +40,10 @@ from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, opt
                                  schedule_warnings, to_dict, to_yaml, validate)
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
-from bert_recipes.export import model_card
-from bert_recipes.guard import (EXIT_DIVERGED, EXIT_TIMEOUT, Diverged, Preemption, StepGuard,
-                                StopAgreement, is_collective_timeout, leave, preempted_exit_code)
+from bert_recipes.export import model_card, partial_export
+from bert_recipes.guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_TIMEOUT, DiskFull, Diverged, Preemption,
+                                StepGuard, StopAgreement, disk_full, is_collective_timeout, leave, preempted_exit_code,
+                                written_by_all)
 from bert_recipes.interface import Engine, check_engine
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
@@ -72,6 +75,7 @@ class Run:
     flops_per_token: float    # MFU's numerator per token
     peak_flops: float         # one device
     predicted_peak_gb: float  # the memory planner's (nan when not modelled)
+    export_bytes: int         # the export's fp32 weights, for a full disk's line
     backend: dict             # engine.describe()
     baseline: float | None    # majority-class accuracy on the eval set
     data: Any                 # the tokenized splits: train, eval, eval:<split>, test:<split>
@@ -151,7 +155,8 @@ def main(cfg: Config) -> dict:
         baseline = majority_baseline(data["train"]["labels"], data["eval"]["labels"])
     run = Run(cfg, engine, output_dir, config_yaml, tokenizer, collate, len(data["eval"]), steps_per_epoch,
               total_steps, min(total_steps, cfg.train.halt_at_step or total_steps), flops_token, peak,
-              memory_plan.peak / 1e9 if memory_plan is not None else float("nan"), backend, baseline, data, test_index)
+              memory_plan.peak / 1e9 if memory_plan is not None else float("nan"),
+              4 * Shape.from_config(model_config, cfg.task.kind).params, backend, baseline, data, test_index)
 
     # -------------------------------------------------------------------- resume
     if checkpoint is not None:
@@ -159,10 +164,7 @@ def main(cfg: Config) -> dict:
         run.state = read_train_state(checkpoint)
         print0(f"[resume] from {checkpoint} at step {run.state['step']}")
     run.state["layout"] = layout
-    if engine.is_main:   # every check has passed: the run starts writing
-        start_output_dir(output_dir, config_yaml, cfg.run.overwrite, cfg.checkpoint.resume)
-        tokenizer.save_pretrained(output_dir / "tokenizer")
-    engine.barrier()
+    start_writing(run, cfg.run.overwrite, cfg.checkpoint.resume)   # every check has passed
     engine.start_trackers(cfg.run.name, flat_dict(cfg))
 
     # -------------------------------------------------------------------- loop, save
@@ -172,6 +174,17 @@ def main(cfg: Config) -> dict:
         return finish(run, time.perf_counter() - t_start)
     finally:   # after a stop signal the process is about to exit: later signals stay ignored
         run.preemption.uninstall(ignore_from_now=bool(run.stop_signal))
+
+
+def start_writing(run: Run, overwrite: bool, resume: str | None) -> None:
+    """Rank 0 starts the output directory (the resolved config) and copies the tokenizer in; every rank
+    agrees on it (guard.written_by_all): a full disk is one line, on every rank exit code 5."""
+    def write():
+        start_output_dir(run.output_dir, run.config_yaml, overwrite, resume)
+        run.tokenizer.save_pretrained(run.output_dir / "tokenizer")
+    written_by_all(write if run.engine.is_main else lambda: None, run.engine.control, run.engine.is_main, lambda: None,
+                   lambda err: disk_full(err, run.output_dir, "the run's config and tokenizer", run.state["step"], None,
+                                         "nothing was trained: free space there, then run again"))
 
 
 def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: int):
@@ -334,8 +347,7 @@ def checkpoint_now(run: Run) -> bool:
         engine.print0(f"[checkpoint] not saved at step {run.state['step']}: the last {run.guard.streak} steps were "
                       "not finite; the previous checkpoint stays the latest")
         return False
-    save_checkpoint(run.output_dir, run.state["step"], run.state, run.config_yaml, run.cfg.checkpoint.keep_last,
-                    engine.save, engine.is_main, engine.barrier)
+    save_checkpoint(run.output_dir, run.state["step"], run.state, run.config_yaml, run.cfg.checkpoint.keep_last, engine)
     return True
 
 
@@ -385,7 +397,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
         final["majority_baseline_accuracy"] = run.baseline
     if cfg.checkpoint.export:
         card = model_card(to_dict(cfg), final, run.backend, state.get("tokens_seen", 0))
-        export_dir = engine.export(run.output_dir / "model", run.tokenizer, run.config_yaml, card)
+        export_dir = export(run, card)
         print0(f"[export] Hugging Face model (fp32) + tokenizer + model card -> {export_dir}")
         if cfg.checkpoint.push_to_hub and engine.is_main:
             push_to_hub(cfg.checkpoint, cfg.run.name, export_dir, print0)
@@ -402,9 +414,21 @@ def finish(run: Run, wall_time_s: float) -> dict:
     return final
 
 
+def export(run: Run, card: str) -> Path:
+    """engine.export, agreed on by every rank (guard.written_by_all): a full disk on rank 0 is one line,
+    <output_dir>/model.partial is removed and the checkpoints stay, every rank exits with code 5."""
+    out, step = run.output_dir / "model", run.state["step"]
+    needed = (run.export_bytes, "an estimate: 4 bytes per parameter, the fp32 weights")
+    then = "the partial export was removed and the checkpoints stay: free space there, then rerun with --resume auto"
+    written_by_all(lambda: run.engine.export(out, run.tokenizer, run.config_yaml, card), run.engine.control,
+                   run.engine.is_main, lambda: shutil.rmtree(partial_export(out), ignore_errors=True),
+                   lambda err: disk_full(err, partial_export(out), "the export", step, needed, then))
+    return out
+
+
 def run_cli(argv: list[str] | None = None) -> int:
     """train.py's exit codes: 0 done (or halted at train.halt_at_step), 2 a config or input error,
-    3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 128 + signal
+    3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 5 a disk full, 128 + signal
     when preempted (143 SIGTERM, 138 SIGUSR1). Messages for 2-4 come once, from rank 0 (4: from
     the rank that saw it), without a traceback."""
     rank, cfg = int(os.environ.get("RANK", "0")), Config()
@@ -421,6 +445,10 @@ def run_cli(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(str(e), file=sys.stderr)
         return EXIT_DIVERGED
+    except DiskFull as e:   # once, from the rank whose write ran out of space (the others raise it silent)
+        if str(e):
+            print(str(e), file=sys.stderr)
+        return EXIT_DISK_FULL
     except (RuntimeError, TimeoutError) as e:
         if not is_collective_timeout(e):
             raise

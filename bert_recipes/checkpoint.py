@@ -197,21 +197,37 @@ def check_resume_path(resume: str | None) -> Path | None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config_yaml: str, keep_last: int,
-                    save_state, is_main: bool, barrier, name: str | None = None) -> Path:
-    """save_state(dir) on every rank (the engine's: model, optimizer, schedule, RNG of every rank;
-    or the pipeline engine's checkpoint), plus the loop's own state, the resolved config and the
-    manifest; then atomically publish and prune. name: another directory than step_XXXXXXXX
-    (checkpoints/best), which the rotation and --resume auto leave alone."""
+                    engine, name: str | None = None) -> Path:
+    """engine.save(dir) on every rank (the engine's: model, optimizer, schedule, RNG of every rank; or the
+    pipeline engine's checkpoint), plus the loop's own state, the resolved config and the manifest; then
+    atomically publish and prune. name: another directory than step_XXXXXXXX (checkpoints/best), which the
+    rotation and --resume auto leave alone. Each of the three writes is agreed on by every rank
+    (guard.written_by_all): a full disk on any rank removes the .partial, keeps the previous checkpoint
+    and raises guard.DiskFull everywhere, with no rank left in a barrier."""
+    from .guard import disk_full, written_by_all
     root = checkpoint_root(output_dir)
     final = root / (name or f"step_{step:08d}")
     partial = root / f"{final.name}.partial"
-    if is_main:
+    previous = complete_checkpoints(output_dir)[-1:]
+    needed = ((tree_bytes(previous[0]), f"an estimate: the size of {previous[0].name}") if previous else None)
+
+    kept = f"{previous[0].name} stays the latest checkpoint" if previous else "there is no earlier checkpoint"
+    then = (f"the partial checkpoint was removed and {kept}: free space there (or give run.output_dir a larger "
+            "disk), then continue with --resume auto")
+
+    def full_error(err):
+        return disk_full(err, partial, "the checkpoint", step, needed or (tree_bytes(partial) + 1, "more than the "
+                         "bytes written before the disk filled; no earlier checkpoint to estimate from"), then)
+
+    def agreed(write):
+        written_by_all(write, engine.control, engine.is_main, lambda: shutil.rmtree(partial, ignore_errors=True),
+                       full_error)
+
+    def start():
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    barrier()
-    save_state(str(partial))
-    barrier()
-    if is_main:
+
+    def publish():
         (partial / CONFIG_FILE).write_text(config_yaml)
         write_manifest(partial)
         (partial / STATE_FILE).write_text(json.dumps(train_state))   # last: marks the checkpoint complete
@@ -220,8 +236,15 @@ def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config
         os.replace(partial, final)
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    barrier()
+    agreed(start if engine.is_main else lambda: None)
+    agreed(lambda: engine.save(str(partial)))
+    agreed(publish if engine.is_main else lambda: None)
     return final
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files below `path` (0 where it does not exist)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() else 0
 
 
 def read_train_state(path: Path) -> dict:
@@ -284,8 +307,51 @@ def check_writable_dir(path: Path, key: str) -> None:
     if not existing.is_dir():
         raise ConfigError(f"{key}={path}: {existing} is a file, so the directory cannot be created there; "
                           "give another path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={path}: {existing} is not writable by this user; give a writable path")
+    problem = cannot_create_in(existing)
+    if problem:
+        raise ConfigError(f"{key}={path}: nothing can be created in {existing} ({problem}); give a writable path")
+
+
+def unwritable_default(path: Path) -> str | None:
+    """Why a directory the user never named (a library's default cache) cannot be written: None when it can."""
+    try:
+        check_writable_dir(path, "")
+    except ConfigError as err:
+        return str(err).lstrip("=")
+    return None
+
+
+def cannot_create_in(directory: Path) -> str | None:
+    """Why no file can be created in `directory`, or None when one can: a probe file is created and removed
+    (the only thing a check writes). os.access cannot tell: root passes it everywhere, yet a read-only mount
+    or a pseudo-filesystem (/proc, /sys) refuses the write itself."""
+    import tempfile
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".bert-recipes-probe-", dir=directory)
+    except OSError as err:
+        fs_type, options = filesystem_of(directory)
+        why = ("it is mounted read-only" if "ro" in options else f"it is on a {fs_type} filesystem"
+               if fs_type in PSEUDO_FILESYSTEMS else "this user may not write there")
+        return f"{why}: {err.strerror or type(err).__name__}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+PSEUDO_FILESYSTEMS = {"proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "securityfs", "tracefs", "configfs"}
+
+
+def filesystem_of(path: Path) -> tuple[str, set[str]]:
+    """(type, mount options) of the filesystem holding `path`, from /proc/self/mounts (the longest mount point
+    above it); ("unknown", set()) where that cannot be read."""
+    try:
+        mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown", set()
+    target = Path(path).resolve()
+    best = max((m for m in mounts if len(m) >= 4 and (target == Path(m[1]) or Path(m[1]) in target.parents)),
+               key=lambda m: len(m[1]), default=None)
+    return (best[2], set(best[3].split(","))) if best else ("unknown", set())
 
 
 def check_shared_output_dir(output_dir: Path, engine) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .collate import ClassificationCollator, MLMCollator
 from .config import DataConfig, TaskConfig, TokenizerConfig
+from .guard import full_disk_is_one_line
 from .rank0 import main_first
 from .sources import get_tokenizer, load_prepared, load_raw
 from .tokenizing import label_mapping, missing_classes, tokenize
@@ -23,11 +24,15 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     if data_cfg.source == "prepared":
         tokenizer, data, test_index = load_prepared(data_cfg, task, tok, model_name_or_path)
         return tokenizer, data, make_collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
-    with main_first(is_main, barrier, broadcast):
+    cache = data_cache(data_cfg)
+    raw_dir = Path(data_cfg.sample_dir) if data_cfg.source == "sample" else cache
+    with main_first(is_main, barrier, broadcast), full_disk_is_one_line("the raw data (the sample, or a download)",
+                                                                        raw_dir, 0, None, DATA_THEN):
         raw = load_raw(data_cfg, task, seed)
     tokenizer = get_tokenizer(tok, model_name_or_path, raw["train"], data_cfg, output_dir / "tokenizer", is_main,
                               broadcast)
-    with main_first(is_main, barrier, broadcast):
+    with main_first(is_main, barrier, broadcast), full_disk_is_one_line(
+            "the tokenized data cache", cache, 0, lambda: tokenized_bytes(raw, data_cfg.max_seq_length), DATA_THEN):
         data = tokenize(raw, tokenizer, task, data_cfg, task.label_names)
     if task.kind == "classification" and task.label_names is None:
         mapping = label_mapping(raw, task, data_cfg, None)
@@ -39,6 +44,23 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     test_index = {k.removeprefix("test:"): list(raw[k]["idx"]) if "idx" in raw[k].column_names else list(range(len(raw[k])))
                   for k in raw if k.startswith("test:")}
     return tokenizer, data, make_collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
+
+
+DATA_THEN = ("nothing was trained and the output directory is untouched: free space there (or set data.cache_dir to "
+             "a larger disk), then run again")
+
+
+def data_cache(data_cfg: DataConfig) -> Path:
+    """Where datasets writes this run's caches: data.cache_dir, else the library's own."""
+    import datasets
+    return Path(data_cfg.cache_dir) if data_cfg.cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
+
+
+def tokenized_bytes(raw, max_seq_length: int) -> tuple[int, str]:
+    """An estimate of the tokenized cache's size: every row at most max_seq_length tokens, in three int32
+    columns (input ids, token types, attention mask)."""
+    rows = sum(len(split) for split in raw.values())
+    return rows * max_seq_length * 12, f"an estimate: {rows} rows x {max_seq_length} tokens x 3 int32 columns"
 
 
 def make_collator(data: DataConfig, task: TaskConfig, seed: int, tokenizer, fixed_length: int | None):

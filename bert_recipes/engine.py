@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, rank_checksums, set_kernels
-from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, zero3_keeps_model_dtype
+from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, saved_meeting_the_barrier,
+                                 zero3_keeps_model_dtype)
 from .backends.deepspeed_universal import resharded
 from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
@@ -265,7 +266,10 @@ class AccelerateEngine:
     def save(self, path: str):
         """Model, optimizer and every rank's RNG (Accelerate), and the schedule as JSON: nothing in the
         checkpoint needs a pickle to load (Accelerate loads the rest with weights_only=True)."""
-        self.accelerator.save_state(path)
+        if self.plan.kind == "deepspeed":   # a rank whose write failed still meets DeepSpeed's last barrier
+            saved_meeting_the_barrier(lambda: self.accelerator.save_state(path))
+        else:
+            self.accelerator.save_state(path)
         if self.is_main:
             (Path(path) / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
 

@@ -3,6 +3,8 @@ where the backend shards them), the tokenizer, the recipe and a model card; load
 from_pretrained."""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -27,10 +29,9 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml
     card README.md), loadable with plain from_pretrained."""
     out = Path(out_dir)
     state_dict = full_state_dict(accelerator, model)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process:   # no barrier after it: the caller agrees on the write (train.finish)
         write_export(accelerator.unwrap_model(model, keep_torch_compile=False), out, tokenizer, config_yaml, card,
                      state_dict, save_function=accelerator.save)
-    accelerator.wait_for_everyone()
     return out
 
 
@@ -38,8 +39,11 @@ def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state
                  save_function=torch.save) -> Path:
     """Rank 0's half of every engine's export: config.json and fp32 model.safetensors (from
     `state_dict`, full weights, when the model's own are shards), the tokenizer, the recipe and the
-    model card. Tied weights are written once, under the name from_pretrained ties back."""
-    out.mkdir(parents=True, exist_ok=True)
+    model card. Tied weights are written once, under the name from_pretrained ties back. Written into
+    <out>.partial and renamed: a write that fails (a full disk) leaves the previous export as it was."""
+    final, out = out, partial_export(out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     tied = getattr(model, "_tied_weights_keys", None)
     if state_dict is not None and isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", True):
         for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
@@ -49,7 +53,14 @@ def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state
     tokenizer.save_pretrained(out)
     (out / "recipe.yaml").write_text(config_yaml)
     (out / "README.md").write_text(card)
-    return out
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(out, final)
+    return final
+
+
+def partial_export(out: Path) -> Path:
+    """Where write_export writes before it renames: <out>.partial."""
+    return Path(out).with_name(Path(out).name + ".partial")
 
 
 def model_card(recipe: dict, final: dict, backend: dict, tokens_seen: int) -> str:

@@ -14,12 +14,18 @@
 - A stuck or lost rank: every collective waits at most `train.collective_timeout_s`; the run then
   ends with exit code 4 and a message naming the setting.
 - A user mistake (config, data, paths): one `config error:` line from rank 0, exit code 2 (bert_recipes/cli.py).
+- A full disk (a checkpoint, the export, the data cache, the tokenizer): one `[disk full]` line naming the
+  path, the step, the bytes free and an estimate of the bytes needed, exit code 5. What every rank writes
+  into (a checkpoint's .partial) is agreed on by every rank after the write (written_by_all), so one rank's
+  failure never leaves the others in a barrier; the .partial is removed and the previous checkpoint stays.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -28,6 +34,7 @@ from .config import first_line
 
 EXIT_DIVERGED = 3
 EXIT_TIMEOUT = 4
+EXIT_DISK_FULL = 5
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -37,6 +44,86 @@ def preempted_exit_code(signum: int) -> int:
 
 class Diverged(RuntimeError):
     """train.max_bad_steps non-finite steps in a row; the message is the diagnosis."""
+
+
+class DiskFull(RuntimeError):
+    """A write ran out of space; the message is the line to print (empty on a rank that only learnt of it)."""
+
+
+FULL_ERRNOS = (28, 122)   # ENOSPC, EDQUOT (a quota counts as full)
+
+
+def disk_full(err: BaseException, path: Path, what: str, step: int, needed: tuple[int, str] | None,
+              then: str) -> DiskFull | None:
+    """`err`, raised writing `what` into `path`, as a DiskFull with its line when the disk was full, else None.
+    An OSError says so (ENOSPC, EDQUOT); torch.save's RuntimeError ("unexpected pos", "file write failed") loses
+    the errno, so any write error counts as full when the filesystem has less free space than was needed
+    (`needed`: (bytes, how they were estimated)), or under 1 MiB when that is not known. then: what
+    became of the run and what to do, the line's end."""
+    import shutil
+
+    from .checkpoint import nearest_existing
+    path = Path(getattr(err, "filename", None) or path)
+    free = shutil.disk_usage(nearest_existing(path)).free
+    need, how = needed or (0, "")
+    said_full = isinstance(err, OSError) and err.errno in FULL_ERRNOS
+    if not said_full and not (isinstance(err, (OSError, RuntimeError)) and free < max(need, 1 << 20)):
+        return None
+    wanted = f"about {_size(need)} needed ({how})" if need else "the bytes needed are not known"
+    return DiskFull(f"[disk full] {what} at step {step} could not be written to {path}: {_size(free)} free on its "
+                    f"filesystem, {wanted}; {then}")
+
+
+@contextlib.contextmanager
+def full_disk_is_one_line(what: str, path: Path, step: int, needed, then: str):
+    """The block's write error as a DiskFull with its line when the disk was full (disk_full), else as it
+    was. For writes one rank makes while the others wait for its result (rank 0's data cache and
+    tokenizer: rank0.main_first shares the error). needed: (bytes, how), or a callable giving it."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        if isinstance(err, DiskFull):
+            raise
+        full = disk_full(err, path, what, step, needed() if callable(needed) else needed, then)
+        if full is None:
+            raise
+        raise full from None
+
+
+def _size(n_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n_bytes < 1024 or unit == "GiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+
+
+def written_by_all(write, group, is_main: bool, undo, full_error) -> None:
+    """write() on every rank, then one agreement over the control group (gloo, on the host): did any rank
+    fail? A rank whose write failed must not leave the others waiting in the next barrier (the collective
+    timeout, minutes later). On a failure rank 0 runs undo() (removes the .partial; every rank has stopped
+    writing by then) and every rank raises: DiskFull when the failing rank's disk was full (full_error(err)
+    -> DiskFull or None; the lowest such rank says the line, the others raise it silent), else that rank's
+    own error, and on the others a RuntimeError naming it."""
+    import torch.distributed as dist
+    distributed = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    error = None
+    try:
+        write()
+    except Exception as err:   # every rank must reach the agreement below, whatever went wrong
+        error = err
+    full = full_error(error) if error is not None else None
+    code = 2 if full else 1 if error is not None else 0
+    worst, first_full, first_failed = all_max([code, world - rank if full else 0, world - rank if code else 0], group)
+    if not worst:
+        return
+    if is_main:
+        undo()
+    if worst == 2:
+        raise full if full and world - first_full == rank else DiskFull("")
+    if error is not None:
+        raise error
+    raise RuntimeError(f"rank {world - int(first_failed)} failed to write (see its error above)")
 
 
 # ---------------------------------------------------------------------------- the control group

@@ -93,7 +93,9 @@ class Engine(Protocol):
         """The inverse of save: the run continues exactly."""
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
-        """A Hugging Face model with full fp32 weights, tokenizer, recipe and card (collective)."""
+        """A Hugging Face model with full fp32 weights, tokenizer, recipe and card, written by rank 0 through
+        <out_dir>.partial (collective, without a barrier after rank 0's write: the caller agrees on it,
+        so a write that fails there leaves no rank waiting)."""
 
     def final(self) -> dict:
         """End-of-run facts: peak memory per rank, checksums (collective)."""

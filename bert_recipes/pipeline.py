@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .backends.accelerator import cpu_affinity
+from .backends.deepspeed import saved_meeting_the_barrier
 from .backends.deepspeed_universal import resharded
 from .batching import Indexed
 from .config import ConfigError, DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
@@ -387,7 +388,7 @@ class PipelineEngine:
         """DeepSpeed's pipeline checkpoint (weights, optimizer, schedule), plus every rank's random
         state, which DeepSpeed does not keep (in the Accelerate engine's format: rng.save_rng_state),
         so dropout continues exactly on resume."""
-        self.engine.save_checkpoint(path, tag="engine")
+        saved_meeting_the_barrier(lambda: self.engine.save_checkpoint(path, tag="engine"))   # a failed write too
         save_rng_state(path, self.rank, self.on_gpu)
 
     def load(self, path: str):
@@ -419,8 +420,7 @@ class PipelineEngine:
             if set(missing) - tied_ok or unexpected:
                 raise RuntimeError(f"pipeline export: missing {sorted(set(missing) - tied_ok)}, unexpected {unexpected}")
             write_export(model, out_dir, tokenizer, config_yaml, card)   # the other engines' writer
-        self.dist.barrier()
-        return out_dir
+        return out_dir   # no barrier: the caller agrees on the write (train.finish)
 
     def final(self) -> dict:
         from .perf import peak_memory_gb

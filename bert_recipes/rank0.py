@@ -26,15 +26,25 @@ def main_first(is_main: bool, barrier, broadcast=lambda obj: obj):
         broadcast(None)
 
 
-def shared_error(err: BaseException) -> tuple[bool, str]:
-    """An error of rank 0 as the other ranks will raise it: (was it a ConfigError, its message)."""
-    return isinstance(err, ConfigError), str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
+def shared_error(err: BaseException) -> tuple[str, str]:
+    """An error of rank 0 as the other ranks will raise it: (config | disk full | other, its message)."""
+    from .guard import DiskFull
+    if isinstance(err, ConfigError):
+        return "config", str(err)
+    return ("disk full", "") if isinstance(err, DiskFull) else ("other", f"{type(err).__name__}: {err}")
 
 
-def raise_shared(error: tuple[bool, str] | None) -> None:
+def raise_shared(error: tuple[str, str] | None) -> None:
+    """A config error is said again by the first rank of every other node (cli.say_config_error); a full disk
+    only by rank 0, which saw it."""
     if error is not None:
-        is_config, message = error
-        raise ConfigError(message) if is_config else RuntimeError(f"rank 0 failed: {message}")
+        kind, message = error
+        if kind == "config":
+            raise ConfigError(message)
+        if kind == "disk full":
+            from .guard import DiskFull
+            raise DiskFull("")
+        raise RuntimeError(f"rank 0 failed: {message}")
 
 
 def on_rank0(is_main: bool, broadcast, compute):

@@ -29,8 +29,7 @@ def keep_best(ckpt: CheckpointConfig, engine, state: dict, metrics: dict, output
     if not name or name not in metrics or not is_better(name, metrics[name], state.get("best")):
         return False
     state["best"] = {"step": metrics["step"], "metric": name, "value": metrics[name], "metrics": dict(metrics)}
-    save_checkpoint(output_dir, metrics["step"], state, config_yaml, ckpt.keep_last, engine.save,
-                    engine.is_main, engine.barrier, name=BEST)
+    save_checkpoint(output_dir, metrics["step"], state, config_yaml, ckpt.keep_last, engine, name=BEST)
     engine.print0(f"[best] step {metrics['step']}: {name} {metrics[name]:.4f}, kept in {checkpoint_root(output_dir) / BEST}")
     return True
 

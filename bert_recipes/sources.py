@@ -173,9 +173,17 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
     def rank0_files():
         source = save_dir if (save_dir / "tokenizer.json").exists() else _trained_tokenizer_dir(train_raw, data, tok_cfg)
         if not (source / "tokenizer.json").exists():
+            from .guard import full_disk_is_one_line
             tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
             tmp = source.with_name(source.name + f".tmp{os.getpid()}")
-            tokenizer.save_pretrained(tmp)
+            needed = (len(tokenizer.backend_tokenizer.to_str()) * 2, "an estimate: twice its tokenizer.json")
+            then = "nothing was trained and the output directory is untouched: free space there, then run again"
+            try:
+                with full_disk_is_one_line("the trained tokenizer", tmp, 0, needed, then):
+                    tokenizer.save_pretrained(tmp)
+            except Exception:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             try:
                 os.replace(tmp, source)
             except OSError:   # another run trained the same one meanwhile: keep theirs

@@ -95,6 +95,8 @@ def label_mapping(raw, task: TaskConfig, data: DataConfig, label_names: list[str
     """Check every label of the train and eval splits before tokenizing; -> {name: id} for string
     labels (task.label_names' order, else sorted), None for numeric ones."""
     col = data.label_column
+    for split in (s for s in raw if not s.startswith("test:")):
+        check_no_empty_labels(raw[split][col], col, split)
     feature = raw["train"].features.get(col)
     if getattr(feature, "dtype", None) in ("string", "large_string") and task.num_labels > 1:
         names = label_names or sorted(set(raw["train"][col]))
@@ -129,6 +131,25 @@ def label_mapping(raw, task: TaskConfig, data: DataConfig, label_names: list[str
             raise ConfigError(f"data.label_column '{col}' of the {split} split has {len(bad)} {what} ({shown}); "
                               "fix the data or task.num_labels")
     return None
+
+
+def is_empty_label(value) -> bool:
+    """A label cell with nothing in it, however its format says so: null (JSON lines, parquet; a CSV's
+    empty cell in a text column), a key a JSON line leaves out (datasets fills None), NaN (a CSV's empty cell
+    in a number column, a parquet float) or text that is empty or only spaces."""
+    return (value is None or (isinstance(value, float) and math.isnan(value))
+            or (isinstance(value, str) and not value.strip()))
+
+
+def check_no_empty_labels(values, col: str, split: str) -> None:
+    """Every row of a labelled split has a label: else one line naming the column, the count and the
+    first rows (counted from 0, as datasets numbers them; a CSV's header is not a row)."""
+    empty = [i for i, v in enumerate(values) if is_empty_label(v)]
+    if empty:
+        shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
+        raise ConfigError(f"data.label_column '{col}' of the {split} split has {len(empty)} empty label"
+                          f"{'s' * (len(empty) > 1)} (rows {shown}; counted from 0: null, NaN, a missing key or "
+                          "empty text): give every row a label, or drop those rows")
 
 
 def missing_classes(tokenized, task: TaskConfig) -> list[str]:

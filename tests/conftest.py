@@ -254,6 +254,28 @@ def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:
         GradientState._reset_state()
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    """tmpfs(size_bytes, read_only=False) -> a fresh tmpfs mounted below tmp_path: a small disk that fills, or
+    a read-only place (the tests run as root, where file modes stop nothing). Each is unmounted, by its
+    path, whatever happens; skipped with one line where nothing can be mounted (not root, no CAP_SYS_ADMIN)."""
+    mounted: list[Path] = []
+
+    def mount(size: int, read_only: bool = False) -> Path:
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                              text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root")
+        mounted.append(where)
+        return where
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "--lazy", str(where)], capture_output=True)
+
+
 def snapshot(path: Path) -> dict | None:
     """{file: (size, mtime)} under path (None if it does not exist): "nothing written" is an equal snapshot."""
     if not path.exists():

@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -179,6 +180,31 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(reference, tmp_p
     assert [p.name for p in complete_checkpoints(out)][-1] == "step_00000008"
     assert resolve_resume("auto", out)[0].name == "step_00000008"
     resume_and_compare(args, "ddp", "accelerate", reference("ddp"), out)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_resume_is_exact(backend, reference, tmpfs, tmp_path,
+                                                                            sample_dir, datasets_cache,
+                                                                            shared_tokenizer):
+    """The output directory on a 1 MiB tmpfs: step 4's checkpoint (about 0.7 MB) fits, step 8's does not. Every
+    rank learns of it (DDP: only rank 0's write fails; ZeRO-2: every rank writes its own partition) and exits
+    with code 5 after one [disk full] line, with no traceback and no hang; the .partial is gone, step 4 stays
+    complete, and --resume auto from it, on a disk with room, ends with the uninterrupted run's weights."""
+    out = tmpfs(1 << 20) / "run"
+    args = tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, **{"train.collective_timeout_s": 120}))
+    code, log, _ = launch_watched(args, lambda line, proc: False, backend=backend)
+    lines = [line for line in log.splitlines() if "[disk full]" in line]
+    assert code != 0 and "exitcode  : 5" in log and len(lines) == 1, log[-4000:]
+    assert "the checkpoint at step 8 could not be written to" in lines[0] and "free on its filesystem" in lines[0]
+    assert "needed (an estimate: the size of step_00000004)" in lines[0], lines[0]
+    assert "step_00000004 stays the latest checkpoint" in lines[0], lines[0]
+    assert not re.search(r'File ".*(train\.py|bert_recipes/)', log), log[-4000:]   # only the launcher's own report
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]
+    assert resolve_resume("auto", out)[0].name == "step_00000004"   # complete: its manifest verifies
+    moved = tmp_path / "room"
+    shutil.copytree(out, moved)
+    resume_and_compare(tiny_args(moved, sample_dir, datasets_cache, **common(shared_tokenizer)), backend, "accelerate",
+                       reference(backend), moved)
 
 
 def test_a_stuck_rank_ends_the_run_within_the_collective_timeout(tmp_path, sample_dir, datasets_cache,

@@ -10,6 +10,7 @@ DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README
 - NVMe offload: a private swap folder per run (private_swap_dirs), the gradient swap that goes wrong on
   CPU processes (check_nvme_gradient_swap), ZeRO-3's dtype slip (zero3_keeps_model_dtype);
 - what engaged (describe_deepspeed; REPLACED, when Accelerate ran something else) and ZeRO-3's gathered weights (zero3_full_weights);
+- a failed save that must still meet DeepSpeed's own barrier (saved_meeting_the_barrier);
 - its step's result (deepspeed_step), its CPU Adam (cpu_adam), the fp32 master weights an export holds
   (fp32_state_dict), and the host waits its own step makes (DEEPSPEED_SYNCS, for perf.SyncAudit).
 
@@ -23,6 +24,7 @@ import os
 from pathlib import Path
 
 from ..config import Config, ConfigError, OptimConfig, first_line
+from ..checkpoint import cannot_create_in
 from .plan import LaunchPlan, quiet_fds
 
 DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ("lamb",)}
@@ -92,6 +94,21 @@ def ds_json_verdict(ds: dict, name: str) -> None:
                               f"({first_line(err)}); fix it (ds_configs/README.md)") from None
 
 
+def saved_meeting_the_barrier(save) -> None:
+    """save() (a DeepSpeed engine's save_checkpoint, directly or through Accelerate's save_state). DeepSpeed
+    0.19.8's save_checkpoint (runtime/engine.py) makes its directory, waits in dist.barrier(), checks the tag
+    (a collective), writes each rank's files, then waits in dist.barrier() again. A rank whose write fails
+    (a full disk) skips that last barrier and leaves the others in it until the collective timeout: it
+    meets it before it raises, so every rank reaches the agreement after the save (guard.written_by_all)."""
+    try:
+        save()
+    except Exception:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        raise
+
+
 def _set(value) -> bool:
     """A value the user pinned (not missing, not 'auto')."""
     return value is not None and value != "auto"
@@ -148,8 +165,10 @@ def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: i
         path = offload.get("nvme_path")
         if not path:
             conflicts.append(f"{kind} to nvme needs nvme_path in {name}")
-        elif not Path(path).is_dir() or not os.access(path, os.W_OK):
-            conflicts.append(f"{kind}.nvme_path={path} in {name} is not a writable directory on this machine")
+        elif not Path(path).is_dir():
+            conflicts.append(f"{kind}.nvme_path={path} in {name} is not a directory on this machine")
+        elif problem := cannot_create_in(Path(path)):
+            conflicts.append(f"{kind}.nvme_path={path} in {name}: nothing can be created there ({problem})")
     return conflicts
 
 
