@@ -17,7 +17,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from .config import ConfigError, path_kind
+from .config import ConfigError, nearest_existing, path_kind
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "train_state.json"
@@ -292,12 +292,6 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
     return []
 
 
-def nearest_existing(path: str | Path) -> Path:
-    """`path`, or its nearest parent that exists (where a run would create it), absolute."""
-    return next(p for p in [Path(path).expanduser().absolute(), *Path(path).expanduser().absolute().parents]
-                if p.exists())
-
-
 def check_writable_dir(path: Path, key: str) -> None:
     """`path` is a directory, or can be made one: its nearest existing ancestor is a writable directory."""
     path = Path(path)
@@ -323,10 +317,12 @@ def unwritable_default(path: Path) -> str | None:
 
 def cannot_create_in(directory: Path) -> str | None:
     """Why no file can be created in `directory`, or None when one can: a probe file is created and removed
-    (the only thing a check writes). os.access cannot tell: root passes it everywhere, yet a read-only mount
-    or a pseudo-filesystem (/proc, /sys) refuses the write itself."""
+    (the only thing a check writes), and the directory's times are set back, so the check leaves no trace.
+    os.access cannot tell: root passes it everywhere, yet a read-only mount or a pseudo-filesystem (/proc,
+    /sys) refuses the write itself."""
     import tempfile
     try:
+        before = os.stat(directory)
         fd, probe = tempfile.mkstemp(prefix=".bert-recipes-probe-", dir=directory)
     except OSError as err:
         fs_type, options = filesystem_of(directory)
@@ -335,6 +331,10 @@ def cannot_create_in(directory: Path) -> str | None:
         return f"{why}: {err.strerror or type(err).__name__}"
     os.close(fd)
     os.unlink(probe)
+    try:
+        os.utime(directory, ns=(before.st_atime_ns, before.st_mtime_ns))
+    except OSError:
+        pass   # a directory this user may write in but not touch: the probe is gone all the same
     return None
 
 

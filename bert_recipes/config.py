@@ -521,6 +521,12 @@ def yaml_problem(err) -> str:
     return f"{getattr(err, 'problem', None) or str(err).splitlines()[0]}{at}"
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """`path`, or its nearest parent that exists (where a run would create it), absolute."""
+    return next(p for p in [Path(path).expanduser().absolute(), *Path(path).expanduser().absolute().parents]
+                if p.exists())
+
+
 def path_kind(path: str | Path, key: str) -> str:
     """-> "missing", "dir" or "file"; a path this user may not look into (a directory above it without
     read or search permission) is one config error line, never pathlib's PermissionError."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .cli import quick_exit
-from .config import first_line
+from .config import first_line, nearest_existing
 
 EXIT_DIVERGED = 3
 EXIT_TIMEOUT = 4
@@ -62,7 +62,6 @@ def disk_full(err: BaseException, path: Path, what: str, step: int, needed: tupl
     became of the run and what to do, the line's end."""
     import shutil
 
-    from .checkpoint import nearest_existing
     path = Path(getattr(err, "filename", None) or path)
     free = shutil.disk_usage(nearest_existing(path)).free
     need, how = needed or (0, "")

@@ -223,3 +223,250 @@ def test_a_sample_of_the_matrix_as_train_py_processes(base, tmp_path):
         lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr and not out.exists()
+
+
+# ----------------------------------------------------------------------------- keys written twice
+# Every key of each kind of file a user writes, written twice: the recipe (YAML), the accelerate config (YAML)
+# and the DeepSpeed JSON, each generated from the repository's own file of that kind.
+DUPLICATED_FILES = {"recipe": "recipes/tiny-mlm.yaml", "accelerate config": "accelerate_configs/zero2.yaml",
+                    "DeepSpeed config": "ds_configs/zero2.json"}
+
+
+def _key_lines(kind: str, text: str) -> list[tuple[str, int]]:
+    """(dotted key, 0-based line) of every key of the file that can be written twice by repeating its line:
+    YAML, every key; JSON, every key whose value is on its own line (a scalar)."""
+    import re
+
+    import yaml
+    if kind == "DeepSpeed config":
+        out, path = [], []
+        for i, line in enumerate(text.splitlines()):
+            if m := re.match(r'\s*"(\w+)":\s*\{\s*$', line):
+                path.append(m.group(1))
+            elif m := re.match(r'\s*"(\w+)":\s*[^{\[]+?,?\s*$', line):
+                out.append((".".join(path + [m.group(1)]), i))
+            elif line.strip().startswith("}") and path:
+                path.pop()
+        return out
+    found = []
+
+    def walk(node, prefix):
+        for key, value in node.value if isinstance(node, yaml.MappingNode) else []:
+            found.append((f"{prefix}{key.value}", key.start_mark.line))
+            walk(value, f"{prefix}{key.value}.")
+    walk(yaml.compose(text), "")
+    return found
+
+
+def _written_twice(kind: str, text: str, line: int) -> str:
+    lines = text.splitlines()
+    first = lines[line] if kind != "DeepSpeed config" or lines[line].rstrip().endswith(",") else lines[line] + ","
+    return "\n".join(lines[:line] + [first] + lines[line:]) + "\n"
+
+
+DUPLICATE_CASES = [(kind, key, line) for kind, path in DUPLICATED_FILES.items()
+                   for key, line in _key_lines(kind, (REPO / path).read_text())]
+
+
+def preflight_refuses(argv: list[str], watched: Path, capsys) -> str:
+    """`python -m bert_recipes.preflight` (what the Make targets run before the launch) in this process, under
+    the rules of refused_in_process: exit code 2, one `config error:` line, no traceback, nothing written."""
+    from bert_recipes import preflight
+    from conftest import snapshot
+    before = snapshot(watched)
+    code = preflight.main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("config error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert snapshot(watched) == before
+    return lines[0]
+
+
+def _accelerate_config(tmp_path: Path, data: dict | None = None, text: str | None = None, ds: Path | None = None) -> Path:
+    import yaml
+    path = tmp_path / "acc.yaml"
+    path.write_text(text if text is not None else yaml.safe_dump(data))
+    if ds is not None:
+        path.write_text(path.read_text().replace("ds_configs/zero2.json", str(ds)))
+    return path
+
+
+def _ds_config(tmp_path: Path, text: str, monkeypatch) -> Path:
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind, key, line", DUPLICATE_CASES, ids=[f"{k}:{key}" for k, key, _ in DUPLICATE_CASES])
+def test_a_key_written_twice_is_one_line(kind, key, line, base, tmp_path, capsys, monkeypatch):
+    out, args = base
+    text = _written_twice(kind, (REPO / DUPLICATED_FILES[kind]).read_text(), line)
+    if kind == "recipe":
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(text)
+        said = refused_in_process(["--recipe", str(recipe)] + args, out, capsys)
+    elif kind == "accelerate config":
+        said = preflight_refuses([str(_accelerate_config(tmp_path, text=text)), "--"] + args, out, capsys)
+    else:
+        _ds_config(tmp_path, text, monkeypatch)
+        said = refused_in_process(args, out, capsys)
+    assert f"key '{key}' is written twice (lines {line + 1} and {line + 2})" in said and kind in said, said
+
+
+def test_yaml_merge_keys_stay_allowed(base, tmp_path, capsys):
+    """A key that replaces one a `<<` merge brought in is what merging is for: not a key written twice."""
+    out, args = base
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("defaults: &d\n  lr: 1.0e-3\n  warmup_steps: 5\noptim:\n  <<: *d\n  lr: 2.0e-3\n")
+    assert "defaults" in refused_in_process(["--recipe", str(recipe)] + args, out, capsys)   # the next mistake
+    (tmp_path / "r2.yaml").write_text("optim: &d\n  lr: 1.0e-3\ntrain:\n  max_steps: 3\n")
+    cfg = C.load_config(tmp_path / "r2.yaml")
+    assert cfg.optim.lr == 1e-3 and cfg.train.max_steps == 3
+
+
+# ----------------------------------------------------------------------------- empty labels
+# (format, what is empty, the label column's kind): every way each format can leave a label out.
+EMPTY_LABELS = [("csv", "an empty cell", "text"), ("csv", "an empty cell", "number"),
+                ("jsonl", "null", "text"), ("jsonl", "a missing key", "text"), ("jsonl", "empty text", "text"),
+                ("jsonl", "null", "number"), ("parquet", "null", "text"), ("parquet", "empty text", "text"),
+                ("parquet", "NaN", "number")]
+
+
+def _labelled_file(tmp: Path, fmt: str, empty: str, kind: str, empty_rows: tuple[int, ...]) -> Path:
+    """A training file of 16 rows whose label is `empty` at empty_rows."""
+    import json
+    rows = []
+    for i in range(16):
+        label = ("neg", "pos")[i % 2] if kind == "text" else float(i % 2) if fmt == "parquet" else i % 2
+        row = {"text": f"sentence number {i}", "label": label}
+        if i in empty_rows:
+            if empty == "a missing key":
+                del row["label"]
+            else:
+                row["label"] = {"null": None, "empty text": "", "NaN": float("nan"), "an empty cell": None}[empty]
+        rows.append(row)
+    path = tmp / f"train.{fmt}"
+    if fmt == "csv":
+        path.write_text("text,label\n" + "".join(f"{r['text']},{'' if r['label'] is None else r['label']}\n"
+                                                 for r in rows))
+    elif fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("fmt, empty, kind", EMPTY_LABELS, ids=[f"{f}-{e}-{k}" for f, e, k in EMPTY_LABELS])
+def test_an_empty_label_is_one_line(fmt, empty, kind, base, tmp_path, capsys):
+    out, args = base
+    train = _labelled_file(tmp_path, fmt, empty, kind, (3, 10))
+    valid = _labelled_file(tmp_path / "v", fmt, "null", kind, ()) if (tmp_path / "v").mkdir() is None else None
+    names = ["--task.label_names=[neg, pos]"] if kind == "text" else []
+    argv = args + ["--task.kind=classification", "--task.num_labels=2", "--data.source=files",
+                   f"--data.train_files=[{train}]", f"--data.validation_files=[{valid}]", *names]
+    line = refused_in_process(argv, out, capsys)
+    assert "data.label_column 'label' of the train split has 2 empty labels (rows 3, 10;" in line, line
+
+
+# ----------------------------------------------------------------------------- places the run writes, read-only
+# Every place the run writes: the path keys it writes into (config.PATH_KEYS), the datasets library's own cache
+# when data.cache_dir is unset, and a DeepSpeed JSON's NVMe path; each on a read-only mount and on /proc.
+WRITTEN = [key for key, kind in C.PATH_KEYS.items() if kind == "write dir"] + ["HF_HOME", "nvme_path"]
+WRITTEN_CASES = [(key, where) for key in WRITTEN for where in ("read-only mount", "proc")]
+
+
+@pytest.mark.parametrize("key, where", WRITTEN_CASES, ids=[f"{k}-{w}" for k, w in WRITTEN_CASES])
+def test_a_place_the_run_cannot_write_is_one_line(key, where, base, tmpfs, tmp_path, capsys, monkeypatch):
+    import json
+    out, args = base
+    place = tmpfs(1 << 20, read_only=True) if where == "read-only mount" else Path("/proc")
+    target = place if key == "nvme_path" else place / "bert-recipes"
+    if key == "HF_HOME":
+        monkeypatch.setenv("HF_HOME", str(target))
+        monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+        args = args + ["--data.cache_dir=null"]
+    elif key == "nvme_path":
+        ds = json.loads((REPO / "ds_configs/zero3_nvme.json").read_text())
+        for section in ("offload_optimizer", "offload_param"):
+            if isinstance(ds["zero_optimization"].get(section), dict) and "nvme_path" in ds["zero_optimization"][section]:
+                ds["zero_optimization"][section]["nvme_path"] = str(target)
+        _ds_config(tmp_path, json.dumps(ds), monkeypatch)
+    else:
+        args = args + [f"--{key}={target}"]
+    watched = target if key == "run.output_dir" else out
+    line = refused_in_process(args, watched, capsys)
+    said = "it is mounted read-only" if where == "read-only mount" else "it is on a proc filesystem"
+    assert said in line and (key in line or key == "HF_HOME" and "data.cache_dir is unset" in line), line
+
+
+# ----------------------------------------------------------------------------- values the libraries refuse
+def _ds_enum_fields() -> list[tuple[str, type]]:
+    """Every enum-valued field of the DeepSpeed JSON sections checked before the launch
+    (backends/plan._ds_sections), from DeepSpeed's own pydantic models, nested ones included."""
+    import enum
+
+    from pydantic import BaseModel
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    def fields(model, prefix):
+        out = []
+        for name, field in model.model_fields.items():
+            for arg in [a for a in typing.get_args(field.annotation) if a is not type(None)] or [field.annotation]:
+                if isinstance(arg, type) and issubclass(arg, enum.Enum):
+                    out.append((prefix + (field.alias or name), arg))
+                elif isinstance(arg, type) and issubclass(arg, BaseModel):
+                    out += fields(arg, prefix + (field.alias or name) + ".")
+        return out
+    return (fields(DeepSpeedZeroConfig, "zero_optimization.") + fields(DeepSpeedBF16Config, "bf16.")
+            + fields(DeepSpeedFP16Config, "fp16."))
+
+
+def _accelerate_enum_fields() -> list[str]:
+    """Every enum-valued field of Accelerate's cluster config, plus the ones `accelerate launch` reads as enums
+    (mixed_precision, dynamo_config.dynamo_backend): backends/plan.ACCELERATE_ENUMS must name each."""
+    import enum
+
+    from accelerate.commands.config.config_args import ClusterConfig
+    from bert_recipes.backends.plan import ACCELERATE_ENUMS
+    typed = {name for name, tp in typing.get_type_hints(ClusterConfig).items()
+             if any(isinstance(a, type) and issubclass(a, enum.Enum) for a in typing.get_args(tp) or [tp])}
+    assert typed <= set(ACCELERATE_ENUMS.values()), typed - set(ACCELERATE_ENUMS.values())
+    return sorted(set(ACCELERATE_ENUMS.values()))
+
+
+@pytest.mark.parametrize("field", _accelerate_enum_fields())
+def test_an_accelerate_value_accelerate_refuses_is_one_line(field, base, tmp_path, capsys):
+    import yaml
+    out, args = base
+    data = yaml.safe_load((REPO / "accelerate_configs/zero2.yaml").read_text())
+    *parents, name = field.split(".")
+    node = data
+    for parent in parents:
+        node = node.setdefault(parent, {})
+    node[name] = "bogus"
+    line = preflight_refuses([str(_accelerate_config(tmp_path, data, ds=REPO / "ds_configs/zero2.json")), "--"] + args,
+                             out, capsys)
+    assert f"{field}='bogus' is refused by Accelerate; use one of" in line, line
+
+
+DS_ENUM_FIELDS = _ds_enum_fields()
+
+
+@pytest.mark.parametrize("field", [f for f, _ in DS_ENUM_FIELDS])
+def test_a_deepspeed_value_deepspeed_refuses_is_one_line(field, base, tmp_path, capsys, monkeypatch):
+    import json
+    out, args = base
+    ds = json.loads((REPO / "ds_configs/zero2.json").read_text())
+    *parents, name = field.split(".")
+    node = ds
+    for parent in parents:
+        node = node.setdefault(parent, {})
+    node[name] = "bogus"
+    path = _ds_config(tmp_path, json.dumps(ds), monkeypatch)
+    line = refused_in_process(args, out, capsys)
+    assert f"DeepSpeed config {path}: {field}='bogus' is refused by DeepSpeed (" in line, line

@@ -1,7 +1,6 @@
 """Everything DeepSpeed-specific (the pipeline engine aside: bert_recipes/pipeline.py), each rule with the
 DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README.md tells the user's side):
 
-- its JSON as DeepSpeed itself reads it (ds_json_verdict: its own validators, before any engine);
 - its JSON against the recipe (deepspeed_conflicts, ds_block_conflicts): the recipe owns the maths, a JSON
   may leave a value "auto" or repeat it;
 - a JSON that owns the optimizer and the schedule (deepspeed_owned: Accelerate's DummyOptim and
@@ -23,9 +22,9 @@ import functools
 import os
 from pathlib import Path
 
-from ..config import Config, ConfigError, OptimConfig, first_line
+from ..config import Config, ConfigError, OptimConfig
 from ..checkpoint import cannot_create_in
-from .plan import LaunchPlan, quiet_fds
+from .plan import LaunchPlan
 
 DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ("lamb",)}
 DS_SCHEDULES = {"linear": "WarmupDecayLR", "constant": "WarmupLR", "cosine": "WarmupCosineLR"}
@@ -43,55 +42,6 @@ def ask_cpuinfo_once() -> None:
         return
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.lru_cache(maxsize=1)(cpuinfo.get_cpu_info)
-
-
-# ---------------------------------------------------------------------------- DeepSpeed's own verdict on its JSON
-def _ds_sections():
-    """{section: DeepSpeed's reader of it}: its pydantic models, which need neither a world size nor the
-    recipe's numbers (the whole DeepSpeedConfig needs both, and refuses "auto")."""
-    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
-    from deepspeed.runtime.zero.config import get_zero_config
-    return {"zero_optimization": get_zero_config, "bf16": get_bfloat16_config, "fp16": get_float16_config}
-
-
-def without_autos(value):
-    """A JSON value with every "auto" left out: Accelerate fills those before DeepSpeed reads them."""
-    if isinstance(value, dict):
-        return {k: without_autos(v) for k, v in value.items() if v != "auto"}
-    if isinstance(value, list):
-        return [without_autos(v) for v in value]
-    return value
-
-
-def ds_json_verdict(ds: dict, name: str) -> None:
-    """DeepSpeed's own validators on the JSON's sections, run before any engine is built (in preflight and
-    in every rank, where the message is rank 0's): a value DeepSpeed refuses (a ZeRO stage of 7, an offload
-    device it does not know) is one line naming the file and the field, not its pydantic traceback from
-    every rank. Its verdict, not a copy of its rules. Without DeepSpeed installed the ranks fail anyway."""
-    try:
-        with quiet_fds():   # importing DeepSpeed prints its accelerator line
-            sections = _ds_sections()
-            from pydantic import ValidationError
-    except ImportError:
-        return
-    if (ds.get("zero_optimization") or {}).get("stage") == "auto":   # Accelerate fills batch sizes, not the stage
-        raise ConfigError(f"DeepSpeed config {name}: zero_optimization.stage='auto' is not filled by Accelerate: give "
-                          "0, 1, 2 or 3 (ds_configs/README.md lists what each file sets)")
-    given = without_autos(ds)
-    for section, read in sections.items():
-        if section not in given:
-            continue
-        try:
-            read(given)
-        except ValidationError as err:
-            first = err.errors()[0]
-            field = ".".join(str(part) for part in (section, *first["loc"]))
-            shown = f"={first['input']!r}" if not isinstance(first["input"], dict) else ""
-            raise ConfigError(f"DeepSpeed config {name}: {field}{shown} is refused by DeepSpeed ({first['msg']}); "
-                              "fix it (ds_configs/README.md lists what each file sets)") from None
-        except (TypeError, ValueError, AssertionError) as err:
-            raise ConfigError(f"DeepSpeed config {name}: its {section} section is refused by DeepSpeed "
-                              f"({first_line(err)}); fix it (ds_configs/README.md)") from None
 
 
 def saved_meeting_the_barrier(save) -> None:
@@ -161,14 +111,18 @@ def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: i
     conflicts += ds_block_conflicts(cfg, ds, name)
     if plan.pipeline:
         conflicts += pipeline_conflicts(cfg, plan, name)
+    by_path: dict[str, list[str]] = {}   # a path the optimizer and the parameters share is told once
     for kind, offload in nvme_offloads(ds):
-        path = offload.get("nvme_path")
-        if not path:
+        if not offload.get("nvme_path"):
             conflicts.append(f"{kind} to nvme needs nvme_path in {name}")
-        elif not Path(path).is_dir():
-            conflicts.append(f"{kind}.nvme_path={path} in {name} is not a directory on this machine")
+        else:
+            by_path.setdefault(offload["nvme_path"], []).append(kind)
+    for path, kinds in by_path.items():
+        where = f"{' and '.join(f'{kind}.nvme_path' for kind in kinds)}={path} in {name}"
+        if not Path(path).is_dir():
+            conflicts.append(f"{where} is not a directory on this machine")
         elif problem := cannot_create_in(Path(path)):
-            conflicts.append(f"{kind}.nvme_path={path} in {name}: nothing can be created there ({problem})")
+            conflicts.append(f"{where}: nothing can be created there ({problem})")
     return conflicts
 
 

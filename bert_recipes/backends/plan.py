@@ -6,6 +6,9 @@ that plan a launch without running it read the YAML itself with `plan_from_confi
 same LaunchPlan, so the backend vocabulary (name, kind, ZeRO stage, offload, sharding) is defined
 once, here. The rows of accelerate_configs/backends.tsv (the Make targets) are BackendRows.
 
+The launch files get their libraries' own verdicts here, before any rank builds anything: Accelerate's on
+its YAML (accelerate_verdict) and DeepSpeed's pydantic section models on its JSON (ds_json_verdict).
+
 No torch at import time (torch is imported only to ask for the GPUs): the Make targets' preflight and
 the memory planner read plans in a fraction of a second.
 """
@@ -122,7 +125,6 @@ def read_launch_plan(env=os.environ) -> LaunchPlan:
             raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
         if not isinstance(plan.ds_config, dict):
             raise ConfigError(f"DeepSpeed config {path} is not a JSON object")
-        from .deepspeed import ds_json_verdict
         ds_json_verdict(plan.ds_config, str(path))
     return plan
 
@@ -330,3 +332,52 @@ def backend_rows() -> dict[str, BackendRow]:
             cpu_yaml = None if cpu_config == "gpu-only" else config if cpu_config == "-" else cpu_config
             rows[name] = BackendRow(name, config, cpu_yaml, "" if cpu_env == "-" else cpu_env)
     return rows
+
+
+# ---------------------------------------------------------------------------- DeepSpeed's own verdict on its JSON
+def _ds_sections():
+    """{section: DeepSpeed's reader of it}: its pydantic models, which need neither a world size nor the
+    recipe's numbers (the whole DeepSpeedConfig needs both, and refuses "auto")."""
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+    from deepspeed.runtime.zero.config import get_zero_config
+    return {"zero_optimization": get_zero_config, "bf16": get_bfloat16_config, "fp16": get_float16_config}
+
+
+def without_autos(value):
+    """A JSON value with every "auto" left out: Accelerate fills those before DeepSpeed reads them."""
+    if isinstance(value, dict):
+        return {k: without_autos(v) for k, v in value.items() if v != "auto"}
+    if isinstance(value, list):
+        return [without_autos(v) for v in value]
+    return value
+
+
+def ds_json_verdict(ds: dict, name: str) -> None:
+    """DeepSpeed's own validators on the JSON's sections, run before any engine is built (in preflight and
+    in every rank, where the message is rank 0's): a value DeepSpeed refuses (a ZeRO stage of 7, an offload
+    device it does not know) is one line naming the file and the field, not its pydantic traceback from
+    every rank. Its verdict, not a copy of its rules. Without DeepSpeed installed the ranks fail anyway."""
+    try:
+        with quiet_fds():   # importing DeepSpeed prints its accelerator line
+            sections = _ds_sections()
+            from pydantic import ValidationError
+    except ImportError:
+        return
+    if (ds.get("zero_optimization") or {}).get("stage") == "auto":   # Accelerate fills batch sizes, not the stage
+        raise ConfigError(f"DeepSpeed config {name}: zero_optimization.stage='auto' is not filled by Accelerate: give "
+                          "0, 1, 2 or 3 (ds_configs/README.md lists what each file sets)")
+    given = without_autos(ds)
+    for section, read in sections.items():
+        if section not in given:
+            continue
+        try:
+            read(given)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(part) for part in (section, *first["loc"]))
+            shown = f"={first['input']!r}" if not isinstance(first["input"], dict) else ""
+            raise ConfigError(f"DeepSpeed config {name}: {field}{shown} is refused by DeepSpeed ({first['msg']}); "
+                              "fix it (ds_configs/README.md lists what each file sets)") from None
+        except (TypeError, ValueError, AssertionError) as err:
+            raise ConfigError(f"DeepSpeed config {name}: its {section} section is refused by DeepSpeed "
+                              f"({first_line(err)}); fix it (ds_configs/README.md)") from None
