@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .collate import ClassificationCollator, MLMCollator
 from .config import DataConfig, TaskConfig, TokenizerConfig
-from .guard import full_disk_is_one_line
+from .guard import full_disk_is_one_line, fullest
 from .rank0 import main_first
 from .sources import get_tokenizer, load_prepared, load_raw
 from .tokenizing import label_mapping, missing_classes, tokenize
@@ -25,7 +25,8 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
         tokenizer, data, test_index = load_prepared(data_cfg, task, tok, model_name_or_path)
         return tokenizer, data, make_collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
     cache = data_cache(data_cfg)
-    raw_dir = Path(data_cfg.sample_dir) if data_cfg.source == "sample" else cache
+    # the sample is built into data.sample_dir, then read into datasets' cache: a full disk is the fuller of the two
+    raw_dir = fullest(Path(data_cfg.sample_dir), cache) if data_cfg.source == "sample" else cache
     with main_first(is_main, barrier, broadcast), full_disk_is_one_line("the raw data (the sample, or a download)",
                                                                         raw_dir, 0, None, DATA_THEN):
         raw = load_raw(data_cfg, task, seed)

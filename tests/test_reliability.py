@@ -207,6 +207,66 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_resume_is_exact(bac
                        reference(backend), moved)
 
 
+def _full_in_process(argv: list[str], capsys) -> str:
+    """train.py's command line in this process, on a disk that fills: exit code 5, one [disk full] line, no
+    traceback. -> the line."""
+    import train
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        code = train.run_cli(argv)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("[disk full]")]
+    assert code == 5 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_a_full_disk_during_the_export_is_one_line(tmpfs, tmp_path, sample_dir, datasets_cache, shared_tokenizer,
+                                                   capsys):
+    """64 KiB: the run's config and tokenizer fit (about 40 KiB in pages), the export's weights (about 110 KB)
+    do not. The model.partial is removed; nothing else of the export is left."""
+    out = tmpfs(64 << 10) / "run"
+    args = tiny_args(out, sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer,
+                                                         "train.max_steps": 2, "checkpoint.save_every": "null",
+                                                         "checkpoint.save_final": "false"})
+    line = _full_in_process([f"--{a}" for a in args], capsys)
+    assert f"the export at step 2 could not be written to {out}/model.partial" in line, line
+    assert "needed (an estimate: 4 bytes per parameter" in line and "the checkpoints stay" in line, line
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "tokenizer"]
+
+
+def test_a_full_disk_in_the_data_cache_is_one_line(tmpfs, tmp_path, sample_dir, shared_tokenizer, capsys):
+    """data.cache_dir on 16 KiB: datasets' copy of the sample does not fit. The output directory is not made."""
+    cache = tmpfs(16 << 10)
+    out = tmp_path / "run"
+    args = tiny_args(out, sample_dir, cache, **{"tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 2})
+    line = _full_in_process([f"--{a}" for a in args], capsys)
+    assert "[disk full] the raw data (the sample, or a download) at step 0 could not be written to" in line, line
+    assert str(cache) in line and "the output directory is untouched" in line and not out.exists(), line
+
+
+def test_a_full_disk_while_saving_a_trained_tokenizer_is_one_line(tmpfs):
+    """The tokenizer a run trains goes to the data cache first (sources.get_tokenizer): on a 4 KiB disk its
+    tokenizer.json does not fit; nothing is left of it."""
+    from datasets import Dataset
+
+    from bert_recipes.config import DataConfig, TokenizerConfig
+    from bert_recipes.guard import DiskFull
+    from bert_recipes.sources import get_tokenizer
+    cache = tmpfs(4 << 10)
+    raw = Dataset.from_dict({"text": [f"line {i} of words for a tokenizer to learn" for i in range(200)]})
+    with pytest.raises(DiskFull) as caught:
+        get_tokenizer(TokenizerConfig(vocab_size=300), None, raw, DataConfig(cache_dir=str(cache)), cache / "run",
+                      is_main=True)
+    assert str(caught.value).startswith("[disk full] the trained tokenizer at step 0 could not be written to")
+    assert "needed (an estimate: twice its tokenizer.json)" in str(caught.value)
+    assert not [p for p in cache.rglob("*") if p.is_file()]
+
+
 def test_a_stuck_rank_ends_the_run_within_the_collective_timeout(tmp_path, sample_dir, datasets_cache,
                                                                  shared_tokenizer):
     """SIGSTOP freezes rank 1 (alive, not dead: the launcher cannot tell). Rank 0 gives up after
