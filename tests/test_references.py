@@ -194,3 +194,49 @@ def test_a_float64_step_count_from_an_old_checkpoint_resumes():
     fresh.load_state_dict(saved)
     fresh.step()
     assert {(s["step"].dtype, s["step"].item()) for s in fresh.state.values()} == {(torch.float32, 2.0)}
+
+
+def test_a_deepspeed_json_with_its_own_lamb_is_refused_in_one_line():
+    """DeepSpeed's FusedLamb scales every tensor by a ratio clamped to [0.01, 10]: not the recipe's LAMB. A
+    JSON whose optimizer block names it is one line (ZeRO-0 here, where LAMB itself would run)."""
+    from bert_recipes.backends.consistency import check_consistency
+    from bert_recipes.backends.plan import LaunchPlan
+    from bert_recipes.config import ConfigError, load_config
+    cfg = load_config(REPO / "recipes/bert-base-mlm-phase1-lamb.yaml")
+    ds = {"zero_optimization": {"stage": 0}, "optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}
+    with pytest.raises(ConfigError) as err:
+        check_consistency(cfg, LaunchPlan(deepspeed=True, ds_config=ds, ds_config_path="lamb.json"), 8, 16,
+                          has_cuda=False)
+    line = str(err.value)
+    assert "\n" not in line and "lamb.json optimizer.type=Lamb is DeepSpeed's FusedLamb" in line, line
+    del ds["optimizer"]
+    check_consistency(cfg, LaunchPlan(deepspeed=True, ds_config=ds, ds_config_path="lamb.json"), 8, 16, has_cuda=False)
+
+
+def test_train_py_learns_what_the_trainer_learns_within_its_seed_spread(tmp_path, sample_dir):
+    """make bench's quality check, small (tiny size, MLM only; the bench adds fine-tuning): seeds 1, 2, 3, each
+    side from the same initial weights, token ids and hyperparameters for 100 steps, every model scored by one
+    evaluator over the same masks. train.py's mean MLM eval loss and accuracy lie within the Trainer's range
+    over the seeds, widened on each side by the larger of that range and a stated floor (tools/bench.py's
+    QUALITY_BAND: 0.1 nats of loss, 0.02 of accuracy): train.py masks K positions a sequence where the Trainer
+    draws each token, so the two are close, not equal."""
+    import json
+    import subprocess
+    out = tmp_path / "bench"
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--rows", "none", "--repeats", "1",
+                           "--precisions", "no", "--steps", "20", "--collate-repeats", "1", "--quality-seeds", "3",
+                           "--quality-steps", "100", "--quality-classify-steps", "0", "--out", str(out),
+                           "--sample-dir", str(sample_dir)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench import QUALITY_BAND, quality_rows
+    quality = json.loads((out / "bench.json").read_text())["quality"]
+    rows = {r["side"]: r for r in quality_rows(quality)}
+    for metric in ("mlm_loss", "mlm_accuracy"):
+        ours, theirs = rows["train.py"][metric], rows["Trainer"][metric]
+        band = max(theirs["spread"], QUALITY_BAND[metric])
+        assert theirs["min"] - band <= ours["mean"] <= theirs["max"] + band, (metric, ours, theirs, band)
+    assert rows["Trainer"]["mlm_accuracy"]["mean"] > 0.05, rows   # both have left the unigram plateau (0.04)
+    assert "## Quality against the Trainer: seeds [1, 2, 3]" in (out / "bench.md").read_text()

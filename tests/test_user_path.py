@@ -303,7 +303,7 @@ def test_a_lamb_checkpoint_from_before_the_rule_key_resumes_with_one_line_on_the
     lines = [line for line in log.splitlines() if line.startswith("[resume]") and "trust ratio" in line]
     assert len(lines) == 1 and "every tensor" in lines[0] and "--optim.lamb_trust_ratio=all" in lines[0], log
     assert "lamb_trust_ratio: None" not in log and "the config differs" not in log, log
-    assert metrics["final"]["steps"] == 8
+    assert metrics["steps"] == 8
     assert yaml.safe_load((complete_checkpoints(out)[-1] / CONFIG_FILE).read_text())["optim"]["lamb_trust_ratio"] \
         == "decayed"
 
