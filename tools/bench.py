@@ -22,6 +22,12 @@ peak on CPUs; ours: the head on the predicted positions only), the data-wait sha
 padding share and the number of batch shapes; the ratios of paired rows; the cost of collating and of
 fetching one packed MLM batch of 32 and of 256 sequences on one core.
 
+Quality beside speed (--quality-seeds, 3 by default; 0 skips): for each seed, train.py and the Trainer start
+from the same saved initial weights and train on the same token ids with the same hyperparameters; one
+evaluator scores every model (MLM eval loss and accuracy over the same masks, fine-tuning accuracy on the
+sample task), and the table prints mean ± half the spread beside the MLM speed ratio: a faster loop that
+learns less is not faster.
+
 Absolute numbers on a shared machine are noise; the ratios from one run are the result.
 """
 from __future__ import annotations
