@@ -36,13 +36,17 @@ help:  ## list the targets
 	@echo "parallelism targets (accelerate_configs/backends.tsv):"
 	@$(MAKE) --no-print-directory modes
 
-$(VENV)/.installed: requirements.txt
+# requirements-references.txt: the tests' outside references, into .venv/references (not on sys.path, no
+# dependencies: timm must stay unimportable, or accelerate's CLI imports it and fails without torchvision).
+# --upgrade replaces what an earlier setup put there, so a second run (or a changed pin) is the same install.
+$(VENV)/.installed: requirements.txt requirements-references.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/references -r requirements-references.txt
 	touch $@
 
-setup: $(VENV)/.installed  ## create .venv and install requirements.txt
+setup: $(VENV)/.installed  ## create .venv and install requirements.txt (and requirements-references.txt for the tests)
 
 DEMO_MLM = --recipe recipes/tiny-mlm.yaml --run.output_dir=$(RUNS)/tiny-mlm --data.sample_dir=$(SAMPLE) \
 	--run.overwrite=true --logging.progress_bar=false $(ARGS)

@@ -17,7 +17,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from .config import ConfigError, nearest_existing, path_kind
+from .config import ConfigError, nearest_existing, path_kind, predated_rules
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "train_state.json"
@@ -258,14 +258,21 @@ _NOT_THE_RUN = {"checkpoint.resume", "run.overwrite", "run.output_dir", "train.h
 
 def config_differences(old_yaml: str, new_yaml: str) -> list[str]:
     """'section.key: old -> new' for every setting that differs (ignoring those that only steer
-    this invocation: resume, overwrite, where the directory is, halt_at_step, the progress bar)."""
+    this invocation: resume, overwrite, where the directory is, halt_at_step, the progress bar); a rule
+    the old config predates is one line in words, first (config.predated_rules)."""
+    rules, changes = _differences(old_yaml, new_yaml)
+    return rules + changes
+
+
+def _differences(old_yaml: str, new_yaml: str) -> tuple[list[str], list[str]]:
     import yaml
     old, new = yaml.safe_load(old_yaml) or {}, yaml.safe_load(new_yaml) or {}
     flat = lambda d: {f"{s}.{k}": v for s, section in d.items() if isinstance(section, dict)   # noqa: E731
                       for k, v in section.items()}
     a, b = flat(old), flat(new)
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if k not in _NOT_THE_RUN and a.get(k) != b.get(k)]
+    rules, explained = predated_rules(a, b)
+    return rules, [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                   if k not in _NOT_THE_RUN | explained and a.get(k) != b.get(k)]
 
 
 def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, overwrite: bool) -> list[str]:
@@ -288,7 +295,9 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
         raise ConfigError(f"run.output_dir={output_dir} already holds checkpoints of this run (up to {latest.name}): "
                           "continue it with --resume auto, or start over with --run.overwrite=true")
     if resume is not None and changes:
-        return ["[resume] the config differs from the checkpoint's: " + "; ".join(changes)]
+        rules, rest = _differences(saved.read_text(), config_yaml)
+        return [f"[resume] {rule}" for rule in rules] + (
+            ["[resume] the config differs from the checkpoint's: " + "; ".join(rest)] if rest else [])
     return []
 
 

@@ -179,6 +179,11 @@ class OptimConfig:
     name: Literal["adamw", "lamb"] = "adamw"
     """adamw, or lamb for very large batches (NVIDIA's BERT: global 64k/32k with LAMB). LAMB's
     per-layer trust ratio needs whole parameter tensors: DDP only (not ZeRO, FSDP or a ZeRO pipeline)."""
+    lamb_trust_ratio: Literal["decayed", "all"] = "decayed"
+    """Where LAMB scales the update by the trust ratio ||w|| / ||u||. decayed: only the tensors with weight
+    decay (apex FusedLAMB's default use_nvlamb=False, NVIDIA's BERT pretraining, timm's always_adapt=False);
+    biases and LayerNorm weights take plain Adam steps. all: every tensor (use_nvlamb=True; this project's
+    rule before 2026-12-03, which a checkpoint without this key was trained with)."""
     lr: float = 1e-4
     """Peak learning rate, reached after warmup."""
     fused: bool = True
@@ -605,6 +610,20 @@ def to_dict(cfg: Config) -> dict:
 
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def predated_rules(old: dict, new: dict) -> tuple[list[str], set[str]]:
+    """A saved config (flat 'section.key' dicts, as checkpoint.config_differences reads them) from before a
+    key existed followed the rule of its time: -> (a line for each rule that changes from here on, the keys
+    those lines account for). A key it lacks that changes nothing is no difference either."""
+    key = "optim.lamb_trust_ratio"
+    if key in old or key not in new:
+        return [], set()
+    if "lamb" not in (old.get("optim.name"), new.get("optim.name")) or new[key] == "all":
+        return [], {key}   # AdamW has no trust ratio; "all" is the old rule
+    return [f"LAMB's trust ratio changed: the checkpoint was trained with it on every tensor (the rule before "
+            f"{key} existed, = all); from here on only where weight decay applies ({key}={new[key]}, apex "
+            f"FusedLAMB's and NVIDIA BERT's); --{key}=all keeps the old rule"], {key}
 
 
 def flat_dict(cfg: Config) -> dict[str, Any]:

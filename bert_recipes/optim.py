@@ -21,7 +21,7 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "lamb":
-        return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, trust_ratio=cfg.lamb_trust_ratio)
     if offloaded and cfg.cpu_adam:
         from .backends.deepspeed import cpu_adam
         return cpu_adam(groups, cfg)
@@ -30,16 +30,35 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2), as NVIDIA's
-    BERT pretraining uses it: Adam's bias-corrected moments give r = m_hat / (sqrt(v_hat) + eps); the
-    update u = r + weight_decay * x is scaled per parameter tensor by the trust ratio ||x|| / ||u||
-    (1 when either norm is 0; phi = identity, as apex's FusedLAMB): x <- x - lr * ||x|| / ||u|| * u.
-    Each layer thus moves by a set fraction of its own norm, which keeps very large batches stable.
-    tests/test_user_path.py checks it step by step against the rule written out in numpy.
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) as NVIDIA trains
+    BERT with apex's FusedLAMB (defaults: adam_w_mode, use_nvlamb=False): Adam's bias-corrected moments
+    give r = m_hat / (sqrt(v_hat) + eps) and the update u = r + weight_decay * x. Where weight decay
+    applies, u is scaled per tensor by the trust ratio ||x|| / ||u|| (1 when either norm is 0; phi =
+    identity, no clamp): x <- x - lr * ||x|| / ||u|| * u; biases and LayerNorm weights (weight decay 0)
+    take plain Adam steps, x <- x - lr * u. trust_ratio="all" scales every tensor (use_nvlamb=True: the
+    rule this file had before 2026-12-03). Each layer thus moves by a set fraction of its own norm, which
+    keeps very large batches stable. The gradient is clipped before the step (optim.max_grad_norm; apex
+    clips inside its step).
+    The step is multi-tensor: torch's fused Adam kernel gives the moments and r for a whole group at
+    once, then a few foreach ops the decay, the norms and the scaled step, so the operator calls per
+    step grow with the number of groups, not of tensors (docs/speed.md: 6,136 -> 27 on BERT-base).
+    tests/test_references.py checks it step by step against timm's Lamb (always_adapt=False).
     The trust ratio needs whole tensors: ZeRO and FSDP, which hand the optimizer shards, are refused."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
+                 trust_ratio: str = "decayed"):
+        if trust_ratio not in ("decayed", "all"):
+            raise ValueError(f"trust_ratio={trust_ratio!r}: decayed or all")
+        # fused=True: load_state_dict then puts each step count on its parameter's device as float32 (what
+        # torch's fused kernel reads), as it does for torch's fused AdamW. The rule is no group key: a
+        # checkpoint's groups replace these on a resume, and the run's config decides the rule.
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True))
+        self.trust_ratio = trust_ratio
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:   # the groups of a checkpoint from before 2026-12-03
+            group.setdefault("fused", True)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -48,31 +67,55 @@ class Lamb(torch.optim.Optimizer):
         values, decided on the device (as torch's fused AdamW does with the same attribute)."""
         loss = closure() if closure is not None else None
         found_inf = getattr(self, "found_inf", None)
+        skip = None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float64, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if not torch.is_tensor(state["step"]):   # a checkpoint from before the step became a tensor
-                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float64, device=p.device)
-                keep = 1.0 if found_inf is None else (found_inf.to(p.device) == 0).to(p.dtype)
-                state["step"] += keep
-                m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                m.lerp_(torch.lerp(m, p.grad, 1 - beta1), keep)                 # m <- beta1 m + (1 - beta1) g
-                v.lerp_(torch.lerp(v, p.grad * p.grad, 1 - beta2), keep)        # (where kept)
-                t = t.clamp(min=1)   # a first step that was skipped leaves t = 0: no division by zero
-                update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                w_norm, u_norm = p.norm(), update.norm()
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.add_(update * (-group["lr"] * trust * keep))   # no host sync: the ratio stays a tensor
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                if found_inf is not None and skip is None:
+                    skip = found_inf.to(device=params[0].device, dtype=torch.float32)
+                self._group_step(group, params, skip)
         return loss
+
+    def _group_step(self, group: dict, params: list, skip) -> None:
+        """About a dozen operator calls for the whole group, whatever its number of tensors. skip: None,
+        or a float32 0-d tensor on the parameters' device, 1 for a step to skip."""
+        beta1, beta2 = group["betas"]
+        states = [self._state(p) for p in params]
+        steps = [s["step"] for s in states]
+        # r lands in `updates`: the fused Adam kernel moves its "parameters" by -lr * r, so zeros and lr = -1.
+        # The zeros come from the weights, not the gradients: a skipped step's gradients may be NaN, and
+        # the kernel leaves `updates` untouched then (0 * NaN would be NaN).
+        updates = torch._foreach_mul(params, 0.0)
+        torch._foreach_add_(steps, 1.0)
+        torch._fused_adam_(updates, [p.grad for p in params], [s["exp_avg"] for s in states],
+                           [s["exp_avg_sq"] for s in states], [], steps, lr=-1.0, beta1=beta1, beta2=beta2,
+                           weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False, found_inf=skip)
+        if skip is not None:   # as torch's fused AdamW: a skipped step does not count (a list: no .item())
+            torch._foreach_sub_(steps, [skip] * len(steps))
+        if group["weight_decay"]:
+            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+        if not group["weight_decay"] and self.trust_ratio == "decayed":
+            scale = torch.full((len(params),), -group["lr"], device=params[0].device)
+        else:
+            w_norm = torch.stack(torch._foreach_norm(params))
+            u_norm = torch.stack(torch._foreach_norm(updates))
+            trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+            scale = trust * -group["lr"]
+        if skip is not None:   # where, not a product: nothing of a skipped step reaches the weights
+            scale = torch.where(skip == 0, scale, 0.0)
+        torch._foreach_addcmul_(params, updates, scale.unbind())
+
+    def _state(self, p) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step = state["step"]
+        if not torch.is_tensor(step) or step.dtype != torch.float32 or step.device != p.device:
+            # a checkpoint from before: a Python number, or a float64 count (what the fused kernel cannot read)
+            state["step"] = torch.as_tensor(step, dtype=torch.float32, device=p.device).clone()
+        return state
 
 
 def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:

@@ -229,10 +229,10 @@ def test_mlm_evaluation_reports_accuracy(tmp_path, sample_dir, datasets_cache, s
     assert 0 < metrics["mlm_accuracy"] < 1 and metrics["eval_loss"] > 0
 
 
-def _lamb_reference(params, grads, lr, betas, eps, wd):
+def _lamb_reference(params, grads, lr, betas, eps, wd, adapt):
     """Algorithm 2 of You et al. (2020) written out in numpy, phi = identity: per tensor,
     m, v Adam moments with bias correction; u = m_hat / (sqrt(v_hat) + eps) + wd x;
-    x <- x - lr * (||x|| / ||u||) * u, the ratio 1 when a norm is 0."""
+    x <- x - lr * (||x|| / ||u||) * u where adapt (the ratio 1 when a norm is 0), else x - lr * u."""
     import numpy as np
     b1, b2 = betas
     m = [np.zeros_like(p) for p in params]
@@ -244,32 +244,68 @@ def _lamb_reference(params, grads, lr, betas, eps, wd):
             v[i] = b2 * v[i] + (1 - b2) * g * g
             u = (m[i] / (1 - b1 ** t)) / (np.sqrt(v[i] / (1 - b2 ** t)) + eps) + wd[i] * p
             w_norm, u_norm = np.linalg.norm(p), np.linalg.norm(u)
-            ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+            ratio = w_norm / u_norm if adapt[i] and w_norm > 0 and u_norm > 0 else 1.0
             params[i] = p - lr * ratio * u
         out.append([p.copy() for p in params])
     return out
 
 
-def test_lamb_follows_the_published_update_rule_step_by_step():
+@pytest.mark.parametrize("rule", ["decayed", "all"])
+def test_lamb_follows_the_published_update_rule_step_by_step(rule):
+    """decayed (the default: apex's FusedLAMB, NVIDIA's BERT) applies the trust ratio only where weight
+    decay does; all, everywhere. tests/test_references.py checks the same against timm's Lamb."""
     import numpy as np
 
     from bert_recipes.optim import Lamb
     rng = np.random.default_rng(0)
-    shapes = [(8, 4), (4,), (3, 3)]
+    shapes = [(8, 4), (4,), (3, 3), (5,)]
     start = [rng.normal(size=s).astype(np.float64) for s in shapes]
     start[1][:] = 0.0   # a zero tensor: trust ratio 1
     grads = [[rng.normal(size=s) for s in shapes] for _ in range(6)]
-    wd = [0.01, 0.0, 0.01]
+    wd = [0.01, 0.0, 0.01, 0.0]
     tensors = [torch.nn.Parameter(torch.tensor(p)) for p in start]
     optimizer = Lamb([{"params": [tensors[0], tensors[2]], "weight_decay": 0.01},
-                      {"params": [tensors[1]], "weight_decay": 0.0}], lr=0.02, betas=(0.9, 0.999), eps=1e-6)
-    expected = _lamb_reference([p.copy() for p in start], grads, 0.02, (0.9, 0.999), 1e-6, wd)
+                      {"params": [tensors[1], tensors[3]], "weight_decay": 0.0}], lr=0.02, betas=(0.9, 0.999),
+                     eps=1e-6, trust_ratio=rule)
+    adapt = [True, rule == "all", True, rule == "all"]
+    expected = _lamb_reference([p.copy() for p in start], grads, 0.02, (0.9, 0.999), 1e-6, wd, adapt)
     for step, step_grads in enumerate(grads):
         for p, g in zip(tensors, step_grads):
             p.grad = torch.tensor(g)
         optimizer.step()
         for p, e in zip(tensors, expected[step]):
-            np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-12, atol=1e-12)
+            # 1e-7, not float64's 1e-12: torch's fused Adam kernel (the moments and m_hat / (sqrt(v_hat) + eps))
+            # takes its step count and scalars in float32 whatever the parameters' dtype
+            np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-7, atol=1e-9)
+
+
+def test_a_lamb_checkpoint_from_before_the_rule_key_resumes_with_one_line_on_the_rule(
+        tmp_path, sample_dir, datasets_cache, shared_tokenizer, capfd):
+    """A LAMB checkpoint saved under the old rule (its config has no optim.lamb_trust_ratio, as before
+    2026-12-03, and was trained with the ratio on every tensor) resumes under the default with one line
+    that says the rule changed, not a generic `None -> 'decayed'`; the run records the rule it follows."""
+    import yaml
+
+    from bert_recipes.checkpoint import CONFIG_FILE, complete_checkpoints, write_manifest
+    out = tmp_path / "run"
+    args = tiny_args(out, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "optim.name": "lamb",
+        "checkpoint.save_every": 4, "checkpoint.export": False})
+    run_in_process(args + ["optim.lamb_trust_ratio=all", "train.halt_at_step=4"])
+    checkpoint = complete_checkpoints(out)[-1]
+    saved = yaml.safe_load((checkpoint / CONFIG_FILE).read_text())
+    assert saved["optim"].pop("lamb_trust_ratio") == "all"
+    (checkpoint / CONFIG_FILE).write_text(yaml.safe_dump(saved, sort_keys=False))
+    write_manifest(checkpoint)   # as the old run wrote it
+    capfd.readouterr()
+    metrics = run_in_process(args + ["checkpoint.resume=auto"])
+    log = capfd.readouterr().out
+    lines = [line for line in log.splitlines() if line.startswith("[resume]") and "trust ratio" in line]
+    assert len(lines) == 1 and "every tensor" in lines[0] and "--optim.lamb_trust_ratio=all" in lines[0], log
+    assert "lamb_trust_ratio: None" not in log and "the config differs" not in log, log
+    assert metrics["steps"] == 8
+    assert yaml.safe_load((complete_checkpoints(out)[-1] / CONFIG_FILE).read_text())["optim"]["lamb_trust_ratio"] \
+        == "decayed"
 
 
 def test_lamb_with_polynomial_decay_trains_and_is_refused_where_shards_break_it(tmp_path, sample_dir, datasets_cache,

@@ -26,7 +26,9 @@ from ..config import Config, ConfigError, OptimConfig
 from ..checkpoint import cannot_create_in
 from .plan import LaunchPlan
 
-DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ("lamb",)}
+# DeepSpeed's own Lamb is not the recipe's: its FusedLamb applies the trust ratio to every tensor, clamped to
+# [0.01, 10] (ops/lamb/fused_lamb.py, 0.19.8); the recipe's LAMB (optim.py) runs where the JSON names none.
+DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ()}
 DS_SCHEDULES = {"linear": "WarmupDecayLR", "constant": "WarmupLR", "cosine": "WarmupCosineLR"}
 
 
@@ -163,7 +165,11 @@ def ds_block_conflicts(cfg: Config, ds: dict, name: str) -> list[str]:
             return out
     block = ds.get("optimizer")
     if isinstance(block, dict):
-        if str(block.get("type", "")).lower() not in DS_OPTIMIZERS[o.name]:
+        if str(block.get("type", "")).lower() == "lamb":
+            out.append(f"optimizer: {name} optimizer.type={block.get('type')} is DeepSpeed's FusedLamb, which "
+                       "scales every tensor by a clamped trust ratio, not the recipe's LAMB (optim.lamb_trust_ratio): "
+                       "remove the optimizer block and the recipe's runs")
+        elif str(block.get("type", "")).lower() not in DS_OPTIMIZERS[o.name]:
             out.append(f"optimizer: recipe optim.name={o.name}, {name} optimizer.type={block.get('type')}")
         params = block.get("params") or {}
         if o.name == "adamw" and params.get("adam_w_mode") is False:

@@ -1,0 +1,245 @@
+"""Checked against implementations nobody here wrote.
+
+LAMB against timm's Lamb (requirements-references.txt: installed by `make setup` with pip --no-deps into
+.venv/references, outside sys.path, because accelerate's CLI imports timm whenever it is importable and
+timm needs torchvision; only timm/optim/lamb.py and the two files it imports are loaded, by path).
+timm's Lamb is "a pure pytorch variant of apex's FusedLAMB": with always_adapt=False (apex's
+use_nvlamb=False) and its own clipping off (max_grad_norm=None; our engine clips before the step, as
+apex does inside it), it is the rule NVIDIA trains BERT with. What still differs from apex, and why it
+does not matter here: apex's multi_tensor_lamb computes in fp32 registers (here both sides compute in
+the parameters' float32, in another order: the comparison allows float32 rounding, 1e-6 relative);
+apex clips by dividing by max(||g|| / max_norm, 1), torch's clip_grad_norm_ (our engine) multiplies by
+max_norm / (||g|| + 1e-6), a relative difference of 1e-6 / ||g||, not tested here because neither side
+clips. The step counts: apex and timm keep one per group that advances on every call; ours keeps one
+per tensor that a skipped step does not advance (torch's fused AdamW's contract): equal when nothing is
+skipped, and after a skip ours equals a reference that never saw the skipped step.
+"""
+from __future__ import annotations
+
+import collections
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TIMM_OPTIM = REPO / ".venv/references/timm/optim"
+
+
+def timm_lamb():
+    """timm's Lamb class from timm/optim/lamb.py, loaded by path under a package of its own (lamb.py's
+    relative imports: _helpers.py and _types.py, which import only torch), so timm is never importable."""
+    if not (TIMM_OPTIM / "lamb.py").exists():
+        pytest.fail(f"{TIMM_OPTIM / 'lamb.py'} is missing: run `make setup` (requirements-references.txt)")
+    name = "_reference_timm_optim"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(TIMM_OPTIM)]
+        sys.modules[name] = package
+        for module in ("_types", "_helpers", "lamb"):
+            spec = importlib.util.spec_from_file_location(f"{name}.{module}", TIMM_OPTIM / f"{module}.py")
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = loaded
+            spec.loader.exec_module(loaded)
+    assert "timm" not in sys.modules
+    return sys.modules[f"{name}.lamb"].Lamb
+
+
+def tiny_bert(layers: int = 2, seed: int = 0):
+    """A tiny BERT for MLM whose biases and LayerNorm parameters are not their initial 0 and 1: the
+    no-decay tensors then have norms, so a trust ratio on them would change their steps."""
+    from transformers import BertConfig, BertForMaskedLM
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim < 2 or "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def ours_and_timm(trust_ratio: str):
+    """Two copies of the tiny BERT: one under the recipe's LAMB (optim.build_optimizer's groups), one
+    under timm's Lamb with the same groups and settings."""
+    from bert_recipes.config import OptimConfig
+    from bert_recipes.optim import build_optimizer
+    cfg = OptimConfig(name="lamb", lr=2e-2, eps=1e-6, weight_decay=0.01, lamb_trust_ratio=trust_ratio)
+    ours, theirs = tiny_bert(), tiny_bert()
+    optimizer = build_optimizer(ours, cfg)
+    names = {id(p): n for n, p in ours.named_parameters()}
+    by_name = dict(theirs.named_parameters())
+    groups = [{"params": [by_name[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+              for g in optimizer.param_groups]
+    assert groups[1]["weight_decay"] == 0 and all(p.norm() > 0 for p in groups[1]["params"])
+    reference = timm_lamb()(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            max_grad_norm=None, always_adapt=trust_ratio == "all")
+    return ours, optimizer, theirs, reference
+
+
+@pytest.mark.parametrize("trust_ratio", ["decayed", "all"])
+def test_lamb_matches_timms_lamb_on_bert_parameter_groups(trust_ratio):
+    """8 steps on a tiny BERT's two groups (weights with decay 0.01; biases and LayerNorm, non-zero, with
+    none), the same random gradients on both sides: every parameter equal to float32 rounding after each
+    step. decayed = timm's always_adapt=False (apex's default); all = always_adapt=True (the old rule).
+    Step 5 is skipped (found_inf = 1, NaN gradients): nothing moves, and the reference never sees it."""
+    ours, optimizer, theirs, reference = ours_and_timm(trust_ratio)
+    optimizer.found_inf = torch.zeros(())
+    g = torch.Generator().manual_seed(1)
+    mine, ref = list(ours.parameters()), list(theirs.parameters())
+    for step in range(8):
+        grads = [torch.randn(p.shape, generator=g) * 0.1 for p in mine]
+        if step == 5:
+            before = [p.clone() for p in mine]
+            for p in mine:
+                p.grad = torch.full_like(p, float("nan"))
+            optimizer.found_inf = torch.ones(())
+            optimizer.step()
+            optimizer.found_inf = torch.zeros(())
+            assert all(torch.equal(a, b) for a, b in zip(mine, before)), "a skipped step moved a weight"
+            assert all(torch.isfinite(s["exp_avg"]).all() and torch.isfinite(s["exp_avg_sq"]).all()
+                       and s["step"].item() == 5 for s in optimizer.state.values())
+            continue
+        for a, b, grad in zip(mine, ref, grads):
+            a.grad, b.grad = grad.clone(), grad.clone()
+        optimizer.step()
+        reference.step()
+        for a, b in zip(mine, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    moved = [(a - b).abs().max().item() for a, b in zip(mine, tiny_bert().parameters())]
+    assert min(moved) > 1e-4   # every tensor moved: the comparison is not of idle weights
+
+
+def test_the_two_rules_differ_where_weight_decay_is_zero():
+    """The old rule (all) against the references' (decayed) from the same start: the weights with decay
+    take the same steps; the biases and LayerNorm parameters do not."""
+    runs = {}
+    for rule in ("decayed", "all"):
+        model, optimizer, _, _ = ours_and_timm(rule)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g) * 0.1
+            optimizer.step()
+        runs[rule] = (optimizer.param_groups, dict(model.named_parameters()))
+    groups, decayed = runs["decayed"]
+    _, every = runs["all"]
+    names = {id(p): n for n, p in decayed.items()}
+    for group in groups:
+        for p in group["params"]:
+            same = torch.equal(p, every[names[id(p)]])
+            assert same == bool(group["weight_decay"]), names[id(p)]
+
+
+class OperatorCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every operator call at the top of the dispatcher: a foreach op is one call here, whatever the
+    number of tensors it takes (a CPU kernel may then loop over them below this level)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def lamb_step_calls(layers: int) -> tuple[int, int, collections.Counter]:
+    """(tensors, operator calls, by operator) of one LAMB step (the second: state exists) with a found_inf
+    flag, on a BERT of `layers` layers (12: BERT-base's parameter list, 202 tensors, at hidden 32)."""
+    from bert_recipes.config import OptimConfig
+    from bert_recipes.optim import build_optimizer
+    model = tiny_bert(layers)
+    optimizer = build_optimizer(model, OptimConfig(name="lamb"))
+    optimizer.found_inf = torch.zeros(())
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        mode = OperatorCalls()
+        with mode:
+            optimizer.step()
+    return len(list(model.parameters())), sum(mode.calls.values()), mode.calls
+
+
+def test_a_lamb_step_makes_as_many_operator_calls_for_bert_base_as_for_two_layers():
+    """docs/speed.md's count: 33 calls for BERT-base's 202 tensors in 2 groups (the per-tensor loop before
+    2026-12-03 made 6,138). The count depends on the groups only, and no call reads a value on the host."""
+    tensors_2, calls_2, _ = lamb_step_calls(2)
+    tensors_12, calls_12, by_op = lamb_step_calls(12)
+    assert (tensors_2, tensors_12) == (42, 202)
+    assert calls_12 == calls_2 <= 40, by_op
+    assert "aten._local_scalar_dense.default" not in by_op and "aten.item.default" not in by_op, by_op
+    print(f"LAMB step on BERT-base's parameter list ({tensors_12} tensors, 2 groups): {calls_12} operator calls")
+
+
+def test_a_float64_step_count_from_an_old_checkpoint_resumes():
+    """The per-tensor loop before 2026-12-03 saved each step count as a float64 tensor; loading it gives
+    float32 counts on the parameters' device (what the fused kernel reads), and the step continues."""
+    from bert_recipes.config import OptimConfig
+    from bert_recipes.optim import build_optimizer
+    model = tiny_bert()
+    optimizer = build_optimizer(model, OptimConfig(name="lamb"))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for state in saved["state"].values():
+        state["step"] = state["step"].to(torch.float64)
+    for group in saved["param_groups"]:   # the old Lamb's groups had neither key
+        del group["fused"]
+    fresh = build_optimizer(model, OptimConfig(name="lamb"))
+    fresh.load_state_dict(saved)
+    fresh.step()
+    assert {(s["step"].dtype, s["step"].item()) for s in fresh.state.values()} == {(torch.float32, 2.0)}
+
+
+def test_a_deepspeed_json_with_its_own_lamb_is_refused_in_one_line():
+    """DeepSpeed's FusedLamb scales every tensor by a ratio clamped to [0.01, 10]: not the recipe's LAMB. A
+    JSON whose optimizer block names it is one line (ZeRO-0 here, where LAMB itself would run)."""
+    from bert_recipes.backends.consistency import check_consistency
+    from bert_recipes.backends.plan import LaunchPlan
+    from bert_recipes.config import ConfigError, load_config
+    cfg = load_config(REPO / "recipes/bert-base-mlm-phase1-lamb.yaml")
+    ds = {"zero_optimization": {"stage": 0}, "optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}
+    with pytest.raises(ConfigError) as err:
+        check_consistency(cfg, LaunchPlan(deepspeed=True, ds_config=ds, ds_config_path="lamb.json"), 8, 16,
+                          has_cuda=False)
+    line = str(err.value)
+    assert "\n" not in line and "lamb.json optimizer.type=Lamb is DeepSpeed's FusedLamb" in line, line
+    del ds["optimizer"]
+    check_consistency(cfg, LaunchPlan(deepspeed=True, ds_config=ds, ds_config_path="lamb.json"), 8, 16, has_cuda=False)
+
+
+def test_train_py_learns_what_the_trainer_learns_within_its_seed_spread(tmp_path, sample_dir):
+    """make bench's quality check, small (tiny size, MLM only; the bench adds fine-tuning): seeds 1, 2, 3, each
+    side from the same initial weights, token ids and hyperparameters for 100 steps, every model scored by one
+    evaluator over the same masks. train.py's mean MLM eval loss and accuracy lie within the Trainer's range
+    over the seeds, widened on each side by the larger of that range and a stated floor (tools/bench.py's
+    QUALITY_BAND: 0.1 nats of loss, 0.02 of accuracy): train.py masks K positions a sequence where the Trainer
+    draws each token, so the two are close, not equal. At 100 steps both sides are near the unigram plateau
+    (eval loss ~5.97, accuracy ~0.035 on 2026-12-03): this checks the machinery and the band; the bench's
+    longer runs (docs/speed.md) compare past the plateau."""
+    import json
+    import subprocess
+    out = tmp_path / "bench"
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--rows", "none", "--repeats", "1",
+                           "--precisions", "no", "--steps", "20", "--collate-repeats", "1", "--quality-seeds", "3",
+                           "--quality-steps", "100", "--quality-classify-steps", "0", "--out", str(out),
+                           "--sample-dir", str(sample_dir)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench import QUALITY_BAND, quality_rows
+    quality = json.loads((out / "bench.json").read_text())["quality"]
+    rows = {r["side"]: r for r in quality_rows(quality)}
+    for metric in ("mlm_loss", "mlm_accuracy"):
+        ours, theirs = rows["train.py"][metric], rows["Trainer"][metric]
+        band = max(theirs["spread"], QUALITY_BAND[metric])
+        assert theirs["min"] - band <= ours["mean"] <= theirs["max"] + band, (metric, ours, theirs, band)
+    for side in rows.values():   # both learnt: below ln(1000) = 6.91 nats, the loss of uniform guesses (at 100 steps
+        assert side["mlm_loss"]["max"] < 6.5, rows   # both sit near the unigram plateau, ~5.97; the bench goes on)
+    assert "## Quality against the Trainer: seeds [1, 2, 3]" in (out / "bench.md").read_text()
