@@ -111,6 +111,11 @@ def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: i
     conflicts += ds_block_conflicts(cfg, ds, name)
     if plan.pipeline:
         conflicts += pipeline_conflicts(cfg, plan, name)
+    elif cfg.train.compile and plan.zero_stage == 3:
+        conflicts.append(f"train.compile under ZeRO-3 ({name}): dynamo traces the parameters ZeRO-3 has partitioned "
+                         "away (empty tensors) and the first step fails (DeepSpeed 0.19.8, torch 2.13, seen on CPU "
+                         "processes 2026-12-03; ZeRO-2 and DDP compile and run); set train.compile=false, or use "
+                         "ZeRO-2")
     by_path: dict[str, list[str]] = {}   # a path the optimizer and the parameters share is told once
     for kind, offload in nvme_offloads(ds):
         if not offload.get("nvme_path"):
