@@ -69,7 +69,8 @@ def test_compile_is_refused_where_dynamo_would_trace_partitioned_parameters(tmp_
     starts (preflight, as the Make targets run it), one line naming the field, the JSON and the fix."""
     import subprocess
     args = tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{"train.compile": True})
-    done = subprocess.run([sys.executable, "-m", "bert_recipes.preflight", "accelerate_configs/zero3.yaml", "--",
+    done = subprocess.run([sys.executable, "-m", "bert_recipes.preflight", "accelerate_configs/zero3.yaml",
+                           "--num_processes", "2", "--",
                            "--recipe", "recipes/tiny-mlm.yaml"] + [f"--{a}" for a in args], cwd=REPO,
                           capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     lines = [line for line in done.stderr.splitlines() if line.startswith("config error:")]

@@ -17,12 +17,13 @@ def row(name: str, what: str) -> str:
     return f"docs/internals.md, row '{name}': {what}"
 
 
-def tiny_step(optimizer_kwargs=None):
-    """A linear model with gradients, its fused AdamW (the recipe's default kernel) and a copy of its weights."""
+def tiny_step(optimizer_kwargs=None, scale=lambda loss: loss):
+    """A linear model with gradients (of the loss as `scale` returns it), its fused AdamW (the recipe's default
+    kernel) and a copy of its weights."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, **(optimizer_kwargs or {"fused": True}))
-    model(torch.randn(5, 4)).square().sum().backward()
+    scale(model(torch.randn(5, 4)).square().sum()).backward()
     return model, optimizer, [p.detach().clone() for p in model.parameters()]
 
 
@@ -36,8 +37,8 @@ def test_grad_scaler_per_optimizer_states():
     the update and its update() must back the scale off, as for an overflow it found itself."""
     from bert_recipes.engine import skip_update_if
     name = "GradScaler._per_optimizer_states"
-    model, optimizer, before = tiny_step()
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    model, optimizer, before = tiny_step(scale=scaler.scale)
     scaler.unscale_(optimizer)   # what Accelerate's clip_grad_norm_ does first under fp16
     assert skip_update_if(types.SimpleNamespace(optimizer=optimizer), scaler, torch.tensor(True)) is True
     scaler.step(optimizer)
@@ -75,8 +76,8 @@ def test_sync_audit_call_sites_come_from_sys_getframe():
     """perf.SyncAudit names each host wait by its caller's file and line (sys._getframe inside the mode)."""
     from bert_recipes.perf import SyncAudit
     with SyncAudit(False) as audit:
+        line = sys._getframe().f_lineno + 1
         torch.ones(2).sum().item()
-    line = sys._getframe().f_lineno - 1
     assert dict(audit.sites) == {f"tests/test_internals.py:{line} test_sync_audit_call_sites_come_from_sys_getframe"
                                  " [item]": 1}, row("sys._getframe", f"sites {dict(audit.sites)}")
 
@@ -175,7 +176,7 @@ def test_dataset_fingerprint_follows_the_data(tmp_path):
 
 
 # ----------------------------------------------------------------------------- DeepSpeed and py-cpuinfo
-def test_deepspeed_engine_config_load_universal_checkpoint():
+def test_ds_engine_config_load_universal_checkpoint():
     """deepspeed_universal.loading_universal switches engine._config.load_universal_checkpoint on around a load:
     DeepSpeedEngine.load_checkpoint must read it there (through load_universal_checkpoint())."""
     import inspect
@@ -189,7 +190,7 @@ def test_deepspeed_engine_config_load_universal_checkpoint():
     assert source.count("self.load_universal_checkpoint()") >= 2, row(name, "load_checkpoint no longer asks it")
 
 
-def test_zero_init_set_dtype_is_patched_only_while_partitioning():
+def test_partitioning_init_set_dtype_is_patched_only_while_it_runs():
     """zero3_keeps_model_dtype replaces zero.Init._set_dtype(self, ds_config, dtype) while ZeRO-3 partitions: a
     given dtype is kept, and the original is back afterwards; Init.__init__ must still call _set_dtype."""
     import inspect
@@ -228,7 +229,7 @@ def test_cpuinfo_is_asked_once(monkeypatch):
     assert cpuinfo.get_cpu_info() == fake(), row(name, "the cached answer differs")
 
 
-def test_deepspeed_sync_allowlist_names_existing_functions():
+def test_ds_sync_allowlist_names_existing_functions():
     """tests/deepspeed_syncs.py (test instrumentation) names DeepSpeed's files and functions: each must still be
     there, or the allowlist would let a moved wait pass under another name and fail on the new one."""
     import deepspeed

@@ -53,8 +53,9 @@ def check_cuda_graphs(t, accum: int, replicas: int) -> None:
     if not (t.compile and t.compile_backend == "inductor" and t.compile_mode == "reduce-overhead") or accum == 1:
         return
     whole = t.global_batch_size // replicas
-    raise ConfigError(f"train.compile_mode=reduce-overhead (CUDA graphs) with accumulation {accum} (train.global_batch_"
-                      f"size={t.global_batch_size} / (train.micro_batch_size={t.micro_batch_size} x {replicas} ranks)): "
+    raise ConfigError(f"train.compile_mode=reduce-overhead (CUDA graphs) with accumulation {accum} "
+                      f"(train.global_batch_size={t.global_batch_size} / (train.micro_batch_size={t.micro_batch_size} "
+                      f"x {replicas} ranks)): "
                       "a graph's next replay overwrites the losses the step keeps, and no GPU run has covered it yet; "
                       f"set train.micro_batch_size={whole} (accumulation 1) or train.compile_mode=default")
 
