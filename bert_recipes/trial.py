@@ -60,8 +60,9 @@ def step_fits(model, optimizer, batch: dict, autocast) -> bool:
     loss = None
     optimizer.zero_grad(set_to_none=True)
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    device = batch["input_ids"].device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     return fits
 
