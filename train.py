@@ -53,9 +53,10 @@ from bert_recipes.optim import build_optimizer, build_scheduler
 from bert_recipes.doctor.nvml import start_sampler
 from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table, rank_extremes,
                                start_profiler, utilisation_text)
-from bert_recipes.preflight import preflight, same_on_every_rank
+from bert_recipes.preflight import preflight
 from bert_recipes.rank0 import on_rank0
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
+from bert_recipes.trial import confirm_micro_batch
 
 
 # ----------------------------------------------------------------------------- main
@@ -107,8 +108,8 @@ def main(cfg: Config) -> dict:
     # Building the engine starts the process group and compares the recipe with the plan.
     engine = build_engine(plan, output_dir, train=cfg.train, data=cfg.data, optim=cfg.optim, task=cfg.task,
                           logging=cfg.logging, seed=cfg.run.seed)
-    if auto_micro_batch:   # each rank sized it from its own GPU
-        same_on_every_rank(cfg.train.micro_batch_size, engine.control, "train.micro_batch_size")
+    if auto_micro_batch:   # each rank sized it from its own GPU: a trial step confirms it there, all ranks agree
+        confirm_micro_batch(cfg, plan, engine)
     print0 = engine.print0
     set_seed(cfg.run.seed)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "

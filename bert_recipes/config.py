@@ -217,7 +217,10 @@ class TrainConfig:
     """Sequences per forward pass on one rank. Accumulation = global / (micro x world). auto (GPUs): the
     largest divisor of global / data-parallel ranks that the memory planner says fits this GPU's free
     memory with a margin (bert_recipes.memory.auto_micro_batch), decided before the run starts, written
-    into its resolved config (a resume keeps it) and logged with the reason."""
+    into its resolved config (a resume keeps it) and logged with the reason. Under DDP a trial of one whole
+    step (optimizer states included) then confirms it on every GPU before the model is wrapped, stepping
+    down to the next divisor on an out-of-memory error; the ranks take the smallest (bert_recipes/trial.py).
+    Under ZeRO, FSDP and the pipeline the planner's choice stands untried. Refused on CPU processes."""
     eval_batch_size: Optional[int] = None
     """Per rank; None = micro_batch_size."""
     max_steps: Optional[int] = None
@@ -231,8 +234,11 @@ class TrainConfig:
     that repeat (packed MLM blocks, data.length_bins) compile with dynamic=False, one graph each;
     evaluation runs eagerly (torch.compiler.set_stance("force_eager")), so it adds no graphs."""
     compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
-    """torch.compile's mode. reduce-overhead: CUDA graphs (the fewest host launches; needs static shapes);
-    max-autotune-no-cudagraphs: inductor tries kernel configurations (compiles for minutes)."""
+    """torch.compile's mode (inductor's; the eager backends ignore it). reduce-overhead: CUDA graphs (the
+    fewest host launches; needs static shapes), refused with accumulation over 1 until a GPU run covers it (a
+    graph's next replay overwrites the losses the step keeps: backends.consistency.check_cuda_graphs);
+    max-autotune-no-cudagraphs: inductor tries kernel configurations (compiles for minutes). train.compile
+    runs under DDP (no_sync included) and ZeRO-1/2; under ZeRO-3 it is refused (docs/troubleshooting.md)."""
     compile_backend: Literal["inductor", "eager", "aot_eager"] = "inductor"
     """inductor generates the kernels. eager / aot_eager are dynamo's debugging backends: the same
     tracing and guards, no kernels, so recompiles can be checked in seconds."""

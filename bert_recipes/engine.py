@@ -94,11 +94,18 @@ class AccelerateEngine:
         self.num_processes = self.replicas = a.num_processes
         self.device = a.device
         self.trackers = Trackers(logging.trackers, self.is_main, output_dir / "logs")
-        self.setup_line = (f"{a.distributed_type} x{a.num_processes} on {a.device}, precision={a.mixed_precision}; "
-                           f"global batch {train.global_batch_size} = micro {train.micro_batch_size} x "
-                           f"accum {self.accum} x world {a.num_processes}")
+        self.set_accumulation(self.accum)
         if kernels:
             self.print0(kernels)
+
+    def set_accumulation(self, accum: int):
+        """The accumulation, and the setup line that shows it; again when train.micro_batch_size=auto's trial
+        step chose a smaller micro batch (bert_recipes/trial.py), before anything is prepared."""
+        a, t = self.accelerator, self.train_cfg
+        self.accum = a.gradient_accumulation_steps = accum
+        self.setup_line = (f"{a.distributed_type} x{a.num_processes} on {a.device}, precision={a.mixed_precision}; "
+                           f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x "
+                           f"accum {accum} x world {a.num_processes}")
 
     # ------------------------------------------------------------ communication and output
     def print0(self, *args):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .guard import all_max
 
@@ -289,6 +290,31 @@ def _target(value) -> torch.device | None:
     return None
 
 
+class _AuditMode(TorchFunctionMode):
+    """SyncAudit's torch-function mode. One class for every audit and step: dynamo guards compiled code on the
+    types in the torch-function mode stack, and a class made anew on each entry (as it once was) made every
+    audited step of a compiled model recompile, until dynamo's recompile limit (8) sent training to eager in
+    silence (tests/test_gpu_settings.py counts the recompiles)."""
+
+    def __init__(self, audit: "SyncAudit"):
+        super().__init__()
+        self.audit = audit
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import sys
+        audit, name, kwargs = self.audit, getattr(func, "__name__", ""), kwargs or {}
+        if name in SYNC_CALLS or (name == "__getitem__" and _bool_index(args)) or \
+                (name == "where" and len(args) == 1 and not kwargs):
+            site, host = _site(sys._getframe(1))
+            if not host:
+                audit._count(f"{site} [{name}]")
+        elif (name in CREATIONS or name in TRANSFERS) and audit.writes_to_device(name, args, kwargs):
+            site, host = _site(sys._getframe(1))
+            if not host and _ours(site):
+                audit._count(f"{site} [{name}: host to device]")
+        return func(*args, **kwargs)
+
+
 class SyncAudit:
     """Counts, while it is entered, the calls that would make the host wait for a GPU, by call site:
     - reads (SYNC_CALLS, boolean-mask indexing) and torch.cuda / DeepSpeed `synchronize`;
@@ -348,25 +374,7 @@ class SyncAudit:
         return source.device.type == "cpu" if self.on_gpu else explicit
 
     def __enter__(self):
-        from torch.overrides import TorchFunctionMode
-        import sys
-        audit = self
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                name = getattr(func, "__name__", "")
-                kwargs = kwargs or {}
-                if name in SYNC_CALLS or (name == "__getitem__" and _bool_index(args)) or \
-                        (name == "where" and len(args) == 1 and not kwargs):
-                    site, host = _site(sys._getframe(1))
-                    if not host:
-                        audit._count(f"{site} [{name}]")
-                elif (name in CREATIONS or name in TRANSFERS) and audit.writes_to_device(name, args, kwargs):
-                    site, host = _site(sys._getframe(1))
-                    if not host and _ours(site):
-                        audit._count(f"{site} [{name}: host to device]")
-                return func(*args, **kwargs)
-        self.mode = Mode()
+        self.mode = _AuditMode(self)
         self.mode.__enter__()
         self._patch_synchronize()
         if self.on_gpu:   # and torch's own report of what waits, every warning shown

@@ -222,8 +222,8 @@ def test_no_host_waits_between_log_steps(name, row_run):
     that would make the host wait for a GPU (a tensor read as a number or copied to the host, a boolean-
     mask index, synchronize). None under DDP (one node or two) and FSDP2: the loss, the counts and the
     skip decisions stay on the device. Under DeepSpeed only its own step's, each named with its line in
-    backends/deepspeed.py's DEEPSPEED_SYNCS."""
-    from bert_recipes.backends.deepspeed import allowed_deepspeed_sync
+    tests/deepspeed_syncs.py's DEEPSPEED_SYNCS."""
+    from deepspeed_syncs import allowed_deepspeed_sync
     _, metrics = row_run(name)
     sites = metrics["final"]["sync_audit"]
     per_window = [row["host_syncs"] for row in metrics["history"]["train"]]

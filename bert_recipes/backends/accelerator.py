@@ -128,11 +128,18 @@ def _local_numel(p) -> int:
     return p.numel()
 
 
+def bare_model(accelerator, model):
+    """The model under every wrapper (DDP, DeepSpeed's engine, Accelerate's fp32 wrapper) and under
+    train.compile's OptimizedModule too: Accelerate 1.15's unwrap_model keeps the compiled wrapper by default,
+    whose state_dict names every tensor `_orig_mod.<name>`."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
 def describe(accelerator, model, full_param_numel: int) -> dict:
     """What really runs: backend, ZeRO stage and offload, and whether parameters are sharded
     (a rank holding fewer parameter elements than the full model's `full_param_numel`)."""
     from accelerate.utils import DistributedType
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = bare_model(accelerator, model)
     local = sum(_local_numel(p) for p in (model if fsdp_rules.is_fsdp1(accelerator) else unwrapped).parameters())
     info = {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes,
             "mixed_precision": accelerator.mixed_precision, "local_param_numel": local,
@@ -165,7 +172,7 @@ def full_weights(accelerator, model):
     shards them (ZeRO-3: GatheredParameters; FSDP2: DTensor.full_tensor; FSDP1: summon_full_params).
     Collective under sharded backends: every rank must enter it."""
     from accelerate.utils import DistributedType
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = bare_model(accelerator, model)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and model.zero_optimization_stage() == 3:
         with ds_rules.zero3_full_weights(unwrapped) as weights:
             yield weights

@@ -44,6 +44,22 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
         raise ConfigError("the launch config conflicts with the recipe:\n  - " + "\n  - ".join(conflicts))
 
 
+def check_cuda_graphs(t, accum: int, replicas: int) -> None:
+    """train.compile_mode=reduce-overhead (CUDA graphs) with accumulation over 1 is refused until a GPU run
+    covers it: the step keeps the loss of every micro batch, and a CUDA graph's outputs are overwritten by
+    its next replay (torch raises on reading one); the gradients each step's first micro batch allocates
+    after zero_grad(set_to_none=True) would be allocated inside a capture. Refused on CPU processes too, so
+    a recipe that passes here passes on GPUs. The mode is inductor's: dynamo's eager backends ignore it."""
+    if not (t.compile and t.compile_backend == "inductor" and t.compile_mode == "reduce-overhead") or accum == 1:
+        return
+    whole = t.global_batch_size // replicas
+    raise ConfigError(f"train.compile_mode=reduce-overhead (CUDA graphs) with accumulation {accum} "
+                      f"(train.global_batch_size={t.global_batch_size} / (train.micro_batch_size={t.micro_batch_size} "
+                      f"x {replicas} ranks)): "
+                      "a graph's next replay overwrites the losses the step keeps, and no GPU run has covered it yet; "
+                      f"set train.micro_batch_size={whole} (accumulation 1) or train.compile_mode=default")
+
+
 def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="local") -> LaunchPlan:
     """The plan resolved with the recipe, once, before anything is built (preflight calls it, in every
     rank and before a Make target launches): world, replicas, accumulation, precision, TF32 and the
@@ -56,6 +72,7 @@ def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="loca
         capability = local_capability() if plan.on_gpu else None
     plan.world, plan.replicas = world_size, pipeline_replicas(plan, world_size)
     plan.accum = grad_accum_steps(cfg.train, plan.replicas)
+    check_cuda_graphs(cfg.train, plan.accum, plan.replicas)
     check_consistency(cfg, plan, plan.replicas, plan.accum, bool(plan.on_gpu), capability)
     plan.precision, plan.tf32 = cfg.train.mixed_precision, bool(plan.on_gpu and cfg.train.tf32)
     plan.packed_dropout = packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile,

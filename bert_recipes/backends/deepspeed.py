@@ -11,7 +11,8 @@ DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README
 - what engaged (describe_deepspeed; REPLACED, when Accelerate ran something else) and ZeRO-3's gathered weights (zero3_full_weights);
 - a failed save that must still meet DeepSpeed's own barrier (saved_meeting_the_barrier);
 - its step's result (deepspeed_step), its CPU Adam (cpu_adam), the fp32 master weights an export holds
-  (fp32_state_dict), and the host waits its own step makes (DEEPSPEED_SYNCS, for perf.SyncAudit).
+  (fp32_state_dict), and its `synchronize` for perf.SyncAudit to count (its own step's host waits are
+  listed in tests/deepspeed_syncs.py).
 
 No torch or deepspeed at import time: the consistency checks (preflight, make memory) import this file.
 """
@@ -113,6 +114,11 @@ def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: i
     conflicts += ds_block_conflicts(cfg, ds, name)
     if plan.pipeline:
         conflicts += pipeline_conflicts(cfg, plan, name)
+    elif cfg.train.compile and plan.zero_stage == 3:
+        conflicts.append(f"train.compile under ZeRO-3 ({name}): dynamo traces the parameters ZeRO-3 has partitioned "
+                         "away (empty tensors) and the first step fails (DeepSpeed 0.19.8, torch 2.13, seen on CPU "
+                         "processes 2026-12-03; ZeRO-2 and DDP compile and run); set train.compile=false, or use "
+                         "ZeRO-2")
     by_path: dict[str, list[str]] = {}   # a path the optimizer and the parameters share is told once
     for kind, offload in nvme_offloads(ds):
         if not offload.get("nvme_path"):
@@ -403,33 +409,8 @@ def fp32_state_dict(accelerator, unwrapped) -> dict:
 
 
 # ---------------------------------------------------------------------------- host waits (perf.SyncAudit)
-# The host waits DeepSpeed's own step makes, with the line that causes each (DeepSpeed 0.19.8): they are
-# inside its optimizer step, which this repository does not change. Matched by file and function.
-DEEPSPEED_SYNCS = {
-    "deepspeed/runtime/utils.py is_invalid_grad_norm":
-        "`bool((~torch.isfinite(norm) | (norm < 0)).any())` (runtime/utils.py:233): ZeRO-1/2's step "
-        "(stage_1_and_2.py:3043) and its clipping (unscale_and_clip_grads, :3203), ZeRO-3's step (stage3.py:2888) "
-        "skip a step whose gradient norm is not finite",
-    "deepspeed/runtime/zero/stage_1_and_2.py complete_grad_norm_calculation_for_cpu_offload":
-        "ZeRO-1/2 with offload_optimizer: each parameter's gradient norm read with .item() (:1929, :1949)",
-    "deepspeed/runtime/zero/stage3.py complete_grad_norm_calculation_for_cpu_offload":
-        "ZeRO-3 with offload_optimizer: the gradient norms read on the host (stage3.py:1989, :2003)",
-    "deepspeed/runtime/zero/stage_1_and_2.py update_offload_overflow_tracker":
-        "ZeRO-1/2 with offload_optimizer: an overflow flag read per parameter gradient (:1792)",
-    "deepspeed/runtime/zero/utils.py get_lst_from_rank0":
-        "ZeRO-3, first steps only: partitioned_param_coordinator.py's reset_step checks, until its parameter "
-        "trace is complete, that every rank recorded the same module and parameter order (zero/utils.py:110)",
-    "deepspeed/runtime/zero/utils.py <listcomp>": "the same check (the list comprehension inside get_lst_from_rank0)",
-    "deepspeed/runtime/zero/utils.py assert_lst_len_same_as_other_ranks": "the same check (zero/utils.py:90)",
-}
-
-
-def allowed_deepspeed_sync(site: str) -> bool:
-    file_and_function = site.split(" [")[0].split(" <- ")[0]
-    file, function = file_and_function.split(":")[0], file_and_function.split(" ")[-1]
-    return f"{file} {function}" in DEEPSPEED_SYNCS
-
-
+# The host waits DeepSpeed's own step makes are listed, each with its line, in tests/deepspeed_syncs.py: the
+# suite's allowlist, matched by DeepSpeed's files and functions (docs/backends.md, "The step and the host").
 def synchronize_owner() -> tuple:
     """DeepSpeed's accelerator and its `synchronize` (its throughput timer, its optimizer steps), for
     perf.SyncAudit to count."""
