@@ -30,8 +30,10 @@ RANK_LINE = re.compile(r"(^|\] )(config error:|\[diverged\]|\[preempt\]|\[rank \
 PREEMPT_CODE = re.compile(r"^\[preempt\] .*exiting with code (\d+)")
 # Where the launcher's report starts: torch.distributed.elastic's log lines about stopping workers,
 # a failed worker, or a signal it received; and what its report says about the first failure.
+# ("Received 15 death signal" or "Received Signals.SIGTERM death signal": the agent logs the signal as it got it; the
+# SignalException traceback that follows is part of the report)
 REPORT_START = re.compile(r"torch/distributed/elastic/.*\] (Sending process \d+ closing signal|failed \(exitcode: "
-                          r"|Received Signals\.\w+ death signal)")
+                          r"|Received (Signals\.\w+|\d+) death signal)")
 ROOT_CAUSE_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
