@@ -34,6 +34,7 @@ PREEMPT_CODE = re.compile(r"^\[preempt\] .*exiting with code (\d+)")
 # SignalException traceback that follows is part of the report)
 REPORT_START = re.compile(r"torch/distributed/elastic/.*\] (Sending process \d+ closing signal|failed \(exitcode: "
                           r"|Received (Signals\.\w+|\d+) death signal)")
+DEATH_SIGNAL = re.compile(r"torch/distributed/elastic/.*\] Received (Signals\.\w+|\d+) death signal")
 ROOT_CAUSE_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
@@ -57,7 +58,8 @@ class Filter:
                 found = PREEMPT_CODE.search(plain)
                 if found:
                     self.rank_code = int(found.group(1))
-            if not self.holding and self.rank_said and REPORT_START.search(plain):
+            # the agent's own signal line starts its report before any rank has said why (they save first)
+            if not self.holding and (self.rank_said or DEATH_SIGNAL.search(plain)) and REPORT_START.search(plain):
                 self.holding = True
             # the launcher reports on stderr; stdout and a rank's own line always go through
             if self.holding and out is not sys.stdout and not RANK_LINE.search(plain):

@@ -3,10 +3,11 @@
 # - USR1 (--signal=B:USR1@120, 120 s before the time limit) reaches this script: it passes USR1 to srun, which
 #   forwards it to every node's launcher and on to the ranks; they checkpoint at the step reached and exit, and
 #   the script requeues the job as its last act. The requeued job (SLURM_RESTART_COUNT > 0) resumes there.
-# - TERM (a cancel, a preemption, `scontrol requeue`) is SLURM's: it goes to every process of the job, srun
-#   included, and srun answers it by killing its tasks at once. The script does nothing on TERM: the controller
-#   requeues a preempted job itself (PreemptMode=REQUEUE) and ends a cancelled one. A preempted job resumes from
-#   its last periodic checkpoint (checkpoint.save_every); docs/cluster.md says how to give the ranks time to save.
+#   A preemption sends USR1 too where the cluster sets SlurmctldParameters=preempt_send_user_signal and a GraceTime.
+# - TERM (a cancel, a preemption without those, `scontrol requeue`) is SLURM's: it goes to every process of the
+#   job, srun included, and srun answers it by killing its tasks at once. The script does nothing on TERM: the
+#   controller requeues a preempted job itself (PreemptMode=REQUEUE) and ends a cancelled one. Such a preempted
+#   job resumes from its last periodic checkpoint (checkpoint.save_every); docs/cluster.md#preemption.
 # Never TERM to srun: that is a SIGKILL for every rank.
 cd "${SLURM_SUBMIT_DIR:-.}"
 if [ -f .venv/bin/activate ]; then source .venv/bin/activate; fi   # the repository's venv (make setup)
@@ -22,7 +23,8 @@ python -m bert_recipes.preflight "$config" --num_processes $(( ${SLURM_NNODES:-1
     --recipe "$recipe" "${resume[@]}" "$@"
 srun_pid=
 time_limit() {
-    echo "[slurm] time limit in 120 s (USR1): the ranks checkpoint, then job ${SLURM_JOB_ID:-?} goes back to the queue"
+    echo "[slurm] USR1 (the time limit in 120 s, or a preemption with grace time): the ranks checkpoint, then job" \
+        "${SLURM_JOB_ID:-?} goes back to the queue"
     kill -USR1 "$srun_pid" 2>/dev/null || true   # srun forwards USR1 to its tasks (TERM would kill them)
     status=0
     wait "$srun_pid" || status=$?

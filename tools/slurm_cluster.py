@@ -14,6 +14,8 @@ namespace) and its own network namespace, with an address on a bridge (10.77.0.1
 --second-interface gives each node a second interface (eth1, a veth whose far end stays in the node, holding 10.78.0.1x: it reaches nobody) and makes
 the node's own hostname resolve to it: the way a node whose hostname names its management network makes gloo and
 NCCL pick the wrong interface. One cluster at a time on a machine: the ports (6917-6927) and subnets are fixed.
+Preemption: a job of the `urgent` partition preempts the `debug` partition's jobs (PreemptMode=REQUEUE), which
+get their --signal (USR1 for slurm/*.sbatch) at once and 30 s of grace (preempt_send_user_signal, GraceTime=30).
 Each node's DIR/local is its own directory (DIR/nodes/<node>/local bound there): a node-local disk.
 """
 from __future__ import annotations
@@ -92,6 +94,7 @@ SlurmdTimeout=10
 MessageTimeout=5
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
@@ -99,7 +102,7 @@ SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
 SlurmdLogFile={d}/slurmd-%n.log
 {nodes}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2
 """)
 
@@ -179,9 +182,9 @@ def up(d: Path, n: int = 2, second_interface: bool = False, timeout: float = 30)
         raise RuntimeError("another cluster is up on this machine (tools/slurm_cluster.py leftovers)")
     d.mkdir(parents=True, exist_ok=True)
     d.chmod(0o755)   # munged runs as munge and must reach its socket directory
-    for p in (d, *d.parents):
-        if p != Path("/") and not os.stat(p).st_mode & 0o001:
-            p.chmod(os.stat(p).st_mode | 0o001)
+    for p in d.parents:   # munged: "execute permissions for all required" on the socket's path
+        if p != Path("/") and os.stat(p).st_mode & 0o111 != 0o111:
+            p.chmod(os.stat(p).st_mode | 0o111)
     (d / "state").mkdir()
     (d / "local").mkdir()
     state = {"nodes": {}, "munged": None, "slurmctld": None, "second": second_interface}
