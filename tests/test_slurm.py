@@ -154,14 +154,13 @@ def test_ddp_two_nodes_time_limit_and_preemption(cluster, tmp_path, sample_dir, 
     sends): the ranks checkpoint at the step reached, the job requeues itself (same id, SLURM_RESTART_COUNT=1, the
     log appended) and continues. Then a job of the urgent partition preempts it: USR1 at once (the cluster's
     preempt_send_user_signal and GraceTime), the same path. The final weights equal an uninterrupted run's."""
-    cache = cluster / "local" / "cache"   # each node's own disk
-    over = {"train.max_steps": 48, "checkpoint.save_every": 100, **NO_DROPOUT}
+    cache = cluster / "local" / tmp_path.name   # each node's own disk
+    over = {"train.max_steps": 60, "checkpoint.save_every": 100, **NO_DROPOUT}
     env = {"ACCELERATE_USE_CPU": "1"}
     ref = Job(cluster, tmp_path / "ref", "slurm/ddp.sbatch",
-              tiny(tmp_path / "ref" / "run", cache, sample_dir, shared_tokenizer, **over), env)
+              tiny(tmp_path / "ref" / "run", f"{cache}-ref", sample_dir, shared_tokenizer, **over), env)
     job = Job(cluster, tmp_path, "slurm/ddp.sbatch", tiny(tmp_path / "run", cache, sample_dir, shared_tokenizer,
                                                           **over), env)
-    assert ref.done()["JobState"] == "COMPLETED", ref.log()[-3000:]
     job.wait("training", lambda j: "[slurm] trap ready" in j.log() and j.steps() >= 6)
     job.scontrol("scancel", "--signal=USR1", "--batch", job.id)
     job.wait("requeue", lambda j: j.info().get("Restarts") == "1")
@@ -172,9 +171,10 @@ def test_ddp_two_nodes_time_limit_and_preemption(cluster, tmp_path, sample_dir, 
     info = job.done()
     log = job.log()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", (info, log[-3000:])
+    assert ref.done()["JobState"] == "COMPLETED", ref.log()[-3000:]
     assert log.count("[slurm] USR1 (the time limit in 120 s, or a preemption with grace time): the ranks "
                      f"checkpoint, then job {job.id} goes back to the queue") == 2
-    saved = [int(s) for s in re.findall(r"\[preempt\] SIGUSR1 received: every rank stopped after step (\d+)/48, "
+    saved = [int(s) for s in re.findall(r"\[preempt\] SIGUSR1 received: every rank stopped after step (\d+)/60, "
                                         r"checkpoint saved", log)]
     resumed = [int(s) for s in re.findall(r"\[resume\] from \S+/step_(\d+) at step", log)]
     assert len(saved) == 2 and resumed == saved, log[-3000:]   # each run continues where the last one saved
@@ -182,14 +182,14 @@ def test_ddp_two_nodes_time_limit_and_preemption(cluster, tmp_path, sample_dir, 
     assert log.count("[slurm] trap ready") == 3 and log.count("[done]") == 1
     assert log.count("[slurm] node 1/2") == 3 and "sockets on eth0" in log   # not eth1, where the hostname points
     result = final(tmp_path / "run")
-    assert result["steps"] == 48 and result["num_processes"] == 2 and result["backend"]["name"] == "ddp"
+    assert result["steps"] == 60 and result["num_processes"] == 2 and result["backend"]["name"] == "ddp"
     same_weights(tmp_path / "run", tmp_path / "ref" / "run")
 
 
 def test_zero3_two_nodes_and_a_mistake_is_one_line(cluster, tmp_path, sample_dir, shared_tokenizer):
     """slurm/zero3.sbatch on 2 nodes: 2 processes under ZeRO-3, the output written once. The same submission again
     is a mistake (its output_dir holds that run's checkpoints): one line in the job's log, before srun starts."""
-    args = tiny(tmp_path / "run", cluster / "local" / "cache", sample_dir, shared_tokenizer,
+    args = tiny(tmp_path / "run", cluster / "local" / tmp_path.name, sample_dir, shared_tokenizer,
                 **{"train.max_steps": 6})
     job = Job(cluster, tmp_path / "first", "slurm/zero3.sbatch", args, {"DS_ACCELERATOR": "cpu"})
     info, log = job.done(), job.log()
@@ -209,9 +209,10 @@ def test_zero3_two_nodes_and_a_mistake_is_one_line(cluster, tmp_path, sample_dir
 def lose_node(cluster: Path, tmp_path: Path, sample_dir, tokenizer, how, gpus: int, **over) -> tuple[Job, float]:
     """slurm/ddp.sbatch with --nodes=1-2 (--spread-job: both nodes while both are up), node n2 lost once a
     periodic checkpoint exists; the seconds until node n1's ranks were gone."""
-    job = Job(cluster, tmp_path, "slurm/ddp.sbatch", tiny(tmp_path / "run", cluster / "local" / "cache", sample_dir,
-                                                          tokenizer, **{"checkpoint.save_every": 4, **over}),
-              {"ACCELERATE_USE_CPU": "1", "GPUS_PER_NODE": str(gpus)}, ["--nodes=1-2", "--spread-job"])
+    args = tiny(tmp_path / "run", cluster / "local" / tmp_path.name, sample_dir, tokenizer,
+                **{"checkpoint.save_every": 4, **over})
+    job = Job(cluster, tmp_path, "slurm/ddp.sbatch", args, {"ACCELERATE_USE_CPU": "1", "GPUS_PER_NODE": str(gpus)},
+              ["--nodes=1-2", "--spread-job"])
     job.wait("a checkpoint", lambda j: (tmp_path / "run/checkpoints/step_00000004").is_dir() and j.steps() >= 5)
     assert job.info()["NodeList"] == "n[1-2]"
     how(cluster, "n2")
@@ -225,7 +226,7 @@ def test_node_killed_requeued_on_the_node_left(cluster, tmp_path, sample_dir, sh
     (SlurmdTimeout=10) and requeues the job, which runs on n1 alone and resumes on 2 processes instead of 4. Two
     processes per node, each node its own data cache: each node's first rank prepared it, once."""
     job, took = lose_node(cluster, tmp_path, sample_dir, shared_tokenizer, slurm_cluster.kill_node, 2,
-                          **{"train.max_steps": 14})
+                          **{"train.max_steps": 14, "train.micro_batch_size": 4})
     try:
         assert took < 60, took   # the node's loss, seen by the controller (10 s), then KillWait (5 s): a wide margin
         info = job.done()
@@ -239,7 +240,7 @@ def test_node_killed_requeued_on_the_node_left(cluster, tmp_path, sample_dir, sh
     assert final(tmp_path / "run")["steps"] == 14 and final(tmp_path / "run")["num_processes"] == 2
     # the tokenized cache: written once on each node (n1: rank 0, n2: its first rank), read by the others
     assert log.count("tokenizing:   0%|          | 0/1200") == 2, log.count("tokenizing:   0%|          | 0/1200")
-    assert {p.name for p in (cluster / "nodes").iterdir() if any((p / "local" / "cache").iterdir())} == {"n1", "n2"}
+    assert all(any((cluster / "nodes" / n / "local" / tmp_path.name).iterdir()) for n in ("n1", "n2"))
 
 
 def test_node_silenced_then_the_job_cancelled(cluster, tmp_path, sample_dir, shared_tokenizer):
