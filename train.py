@@ -53,8 +53,8 @@ from bert_recipes.optim import build_optimizer, build_scheduler
 from bert_recipes.doctor.nvml import start_sampler
 from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table, rank_extremes,
                                start_profiler, utilisation_text)
-from bert_recipes.preflight import preflight
-from bert_recipes.rank0 import on_rank0
+from bert_recipes.preflight import preflight, same_on_every_rank
+from bert_recipes.rank0 import on_nodes, on_rank0
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
 from bert_recipes.trial import confirm_micro_batch
 
@@ -131,7 +131,8 @@ def main(cfg: Config) -> dict:
     label_names = cfg.task.label_names
     tokenizer, data, collate, test_index = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path,
                                                         cfg.run.seed, output_dir, engine.is_main, engine.prep_barrier,
-                                                        engine.fixed_length, engine.broadcast)
+                                                        engine.fixed_length, engine.broadcast,
+                                                        on_nodes(engine.is_local_main, engine.num_processes))
     if cfg.task.label_names != label_names:   # text labels, sorted: now part of the run's config
         config_yaml = to_yaml(cfg)
         print0(f"[data] text labels, in sorted order: {dict(enumerate(cfg.task.label_names))} (set task.label_names "

@@ -14,11 +14,12 @@ from .tokenizing import label_mapping, missing_classes, tokenize
 
 def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, model_name_or_path: str | None,
                  seed: int, output_dir: Path, is_main: bool, barrier, fixed_length: int | None = None,
-                 broadcast=lambda obj: obj):
+                 broadcast=lambda obj: obj, first_on_node: bool | None = None):
     """raw text -> tokenizer (loaded, or trained once on rank 0) -> tokenized splits -> collator.
     The data, task and tokenizer sections meet here, with the model's name (its tokenizer) and the seed
     (the split and the masks). Rank 0 goes first (download, tokenize, cache); `barrier` lets the others
-    follow. Prepared data (data.source: prepared) is memory-mapped as `make prepare` wrote it. Text labels
+    follow; on several nodes each node's first rank goes next, for a node-local cache (rank0.on_nodes). Prepared
+    data (data.source: prepared) is memory-mapped as `make prepare` wrote it. Text labels
     without task.label_names: their sorted order is written into `task.label_names`, so the resolved config
     and the export's id2label name them."""
     if data_cfg.source == "prepared":
@@ -27,12 +28,13 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     cache = data_cache(data_cfg)
     # the sample is built into data.sample_dir, then read into datasets' cache: a full disk is the fuller of the two
     raw_dir = fullest(Path(data_cfg.sample_dir), cache) if data_cfg.source == "sample" else cache
-    with main_first(is_main, barrier, broadcast), full_disk_is_one_line("the raw data (the sample, or a download)",
-                                                                        raw_dir, 0, None, DATA_THEN):
+    first = (is_main, barrier, broadcast, first_on_node)
+    with main_first(*first), full_disk_is_one_line("the raw data (the sample, or a download)", raw_dir, 0, None,
+                                                   DATA_THEN):
         raw = load_raw(data_cfg, task, seed)
     tokenizer = get_tokenizer(tok, model_name_or_path, raw["train"], data_cfg, output_dir / "tokenizer", is_main,
                               broadcast)
-    with main_first(is_main, barrier, broadcast), full_disk_is_one_line(
+    with main_first(*first), full_disk_is_one_line(
             "the tokenized data cache", cache, 0, lambda: tokenized_bytes(raw, data_cfg.max_seq_length), DATA_THEN):
         data = tokenize(raw, tokenizer, task, data_cfg, task.label_names)
     if task.kind == "classification" and task.label_names is None:

@@ -30,8 +30,14 @@ RANK_LINE = re.compile(r"(^|\] )(config error:|\[diverged\]|\[preempt\]|\[rank \
 PREEMPT_CODE = re.compile(r"^\[preempt\] .*exiting with code (\d+)")
 # Where the launcher's report starts: torch.distributed.elastic's log lines about stopping workers,
 # a failed worker, or a signal it received; and what its report says about the first failure.
+# ("Received 15 death signal" or "Received Signals.SIGTERM death signal": the agent logs the signal as it got it; the
+# SignalException traceback that follows is part of the report)
 REPORT_START = re.compile(r"torch/distributed/elastic/.*\] (Sending process \d+ closing signal|failed \(exitcode: "
-                          r"|Received Signals\.\w+ death signal)")
+                          r"|Received (Signals\.\w+|\d+) death signal)")
+DEATH_SIGNAL = re.compile(r"torch/distributed/elastic/.*\] Received (Signals\.\w+|\d+) death signal")
+# The launcher stopped by the signal it was passed: on a node whose ranks print nothing (only rank 0 says
+# [preempt]) this is the whole story, and the code is the ranks' own (128 + signal).
+SIGNAL_EXCEPTION = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
 ROOT_CAUSE_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
@@ -46,6 +52,8 @@ class Filter:
         self.held: list[tuple] = []    # (stream, line) from the start of the launcher's report
         self.holding = False
         self.root_code = None          # exitcode of the report's root cause (its last "exitcode :" line)
+        self.signalled = False         # we got a signal to pass on: the launcher's report starts now
+        self.signal_code = None        # 128 + the signal the launcher says stopped it
 
     def line(self, text: str, out) -> None:
         with self.lock:
@@ -55,13 +63,20 @@ class Filter:
                 found = PREEMPT_CODE.search(plain)
                 if found:
                     self.rank_code = int(found.group(1))
-            if not self.holding and self.rank_said and REPORT_START.search(plain):
+            # a signal starts the launcher's report before any rank has said why (they save first): from the
+            # wrapper's own signal, or the agent's line when it was signalled directly. Under srun (proctrack) the
+            # launcher gets the signal twice, directly and from us, and its report is a traceback or two.
+            if not self.holding and (self.signalled or (self.rank_said or DEATH_SIGNAL.search(plain))
+                                     and REPORT_START.search(plain)):
                 self.holding = True
             # the launcher reports on stderr; stdout and a rank's own line always go through
             if self.holding and out is not sys.stdout and not RANK_LINE.search(plain):
                 found = ROOT_CAUSE_CODE.search(plain)
                 if found:
                     self.root_code = int(found.group(1))
+                found = SIGNAL_EXCEPTION.search(plain)
+                if found and self.signalled:
+                    self.signal_code = 128 + int(found.group(1))
                 self.held.append((out, text))
                 return
             out.write(text)
@@ -89,6 +104,8 @@ class Filter:
             return code
         if self.rank_said and launcher_code == 0:
             return 0
+        if self.signal_code in RANK_CODES:
+            return self.signal_code
         for out, text in self.held:
             out.write(text)
             out.flush()
@@ -97,15 +114,15 @@ class Filter:
 
 def run(command: list[str]) -> int:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    forwarded = set()
+    forwarded, filt = set(), Filter()
 
     def forward(signum, frame):
+        filt.signalled = True
         if signum not in forwarded and proc.poll() is None:
             forwarded.add(signum)
             proc.send_signal(signum)
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    filt = Filter()
     threads = [threading.Thread(target=filt.pump, args=(stream, out), daemon=True)
                for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
     for t in threads:
