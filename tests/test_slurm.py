@@ -155,7 +155,9 @@ def test_ddp_two_nodes_time_limit_and_preemption(cluster, tmp_path, sample_dir, 
     log appended) and continues. Then a job of the urgent partition preempts it: USR1 at once (the cluster's
     preempt_send_user_signal and GraceTime), the same path. The final weights equal an uninterrupted run's."""
     cache = cluster / "local" / tmp_path.name   # each node's own disk
-    over = {"train.max_steps": 60, "checkpoint.save_every": 100, **NO_DROPOUT}
+    # 120 steps: the preemption (a scheduler pass, then USR1) must land before the run's end, which at 60 steps it
+    # did not always (the run resumed at its final step 60)
+    over = {"train.max_steps": 120, "checkpoint.save_every": 1000, **NO_DROPOUT}
     env = {"ACCELERATE_USE_CPU": "1"}
     ref = Job(cluster, tmp_path / "ref", "slurm/ddp.sbatch",
               tiny(tmp_path / "ref" / "run", f"{cache}-ref", sample_dir, shared_tokenizer, **over), env)
@@ -174,7 +176,7 @@ def test_ddp_two_nodes_time_limit_and_preemption(cluster, tmp_path, sample_dir, 
     assert ref.done()["JobState"] == "COMPLETED", ref.log()[-3000:]
     assert log.count("[slurm] USR1 (the time limit in 120 s, or a preemption with grace time): the ranks "
                      f"checkpoint, then job {job.id} goes back to the queue") == 2
-    saved = [int(s) for s in re.findall(r"\[preempt\] SIGUSR1 received: every rank stopped after step (\d+)/60, "
+    saved = [int(s) for s in re.findall(r"\[preempt\] SIGUSR1 received: every rank stopped after step (\d+)/120, "
                                         r"checkpoint saved", log)]
     resumed = [int(s) for s in re.findall(r"\[resume\] from \S+/step_(\d+) at step", log)]
     assert len(saved) == 2 and resumed == saved, log[-3000:]   # each run continues where the last one saved
@@ -182,7 +184,7 @@ def test_ddp_two_nodes_time_limit_and_preemption(cluster, tmp_path, sample_dir, 
     assert log.count("[slurm] trap ready") == 3 and log.count("[done]") == 1
     assert log.count("[slurm] node 1/2") == 3 and "sockets on eth0" in log   # not eth1, where the hostname points
     result = final(tmp_path / "run")
-    assert result["steps"] == 60 and result["num_processes"] == 2 and result["backend"]["name"] == "ddp"
+    assert result["steps"] == 120 and result["num_processes"] == 2 and result["backend"]["name"] == "ddp"
     same_weights(tmp_path / "run", tmp_path / "ref" / "run")
 
 
