@@ -308,13 +308,11 @@ def assert_same_weights(a, b, tol: float) -> None:
         torch.testing.assert_close(wb[k], wa[k], atol=tol, rtol=0, msg=k)
 
 
-def refused_in_process(argv: list[str], watched: Path, capsys) -> str:
-    """Run train.py's command line (train.run_cli, what `python train.py` calls) in this process and hold it
-    to the rules for a user's mistake: exit code 2, exactly one `config error:` line, no traceback, nothing
-    created or changed under `watched`. -> that line."""
+def run_cli_in_process(argv: list[str], capsys) -> tuple[int, str]:
+    """train.py's command line (train.run_cli, what `python train.py` calls) in this process, Accelerate's
+    process-wide state reset before and after. -> (exit code, stderr)."""
     import train
     from accelerate.state import AcceleratorState, GradientState
-    before = snapshot(watched)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     try:
@@ -322,7 +320,14 @@ def refused_in_process(argv: list[str], watched: Path, capsys) -> str:
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    err = capsys.readouterr().err
+    return code, capsys.readouterr().err
+
+
+def refused_in_process(argv: list[str], watched: Path, capsys) -> str:
+    """Run train.py's command line in this process and hold it to the rules for a user's mistake: exit code
+    2, exactly one `config error:` line, no traceback, nothing created or changed under `watched`. -> that line."""
+    before = snapshot(watched)
+    code, err = run_cli_in_process(argv, capsys)
     lines = [line for line in err.splitlines() if line.startswith("config error:")]
     assert code == 2 and len(lines) == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]

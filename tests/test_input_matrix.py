@@ -439,16 +439,20 @@ def _accelerate_enum_fields() -> list[str]:
     return sorted(set(ACCELERATE_ENUMS.values()))
 
 
+def _set_bogus(data: dict, field: str) -> None:
+    """data's dotted `field` set to "bogus", its parent mappings made where missing."""
+    *parents, name = field.split(".")
+    for parent in parents:
+        data = data.setdefault(parent, {})
+    data[name] = "bogus"
+
+
 @pytest.mark.parametrize("field", _accelerate_enum_fields())
 def test_an_accelerate_value_accelerate_refuses_is_one_line(field, base, tmp_path, capsys):
     import yaml
     out, args = base
     data = yaml.safe_load((REPO / "accelerate_configs/zero2.yaml").read_text())
-    *parents, name = field.split(".")
-    node = data
-    for parent in parents:
-        node = node.setdefault(parent, {})
-    node[name] = "bogus"
+    _set_bogus(data, field)
     line = preflight_refuses([str(_accelerate_config(tmp_path, data, ds=REPO / "ds_configs/zero2.json")), "--"] + args,
                              out, capsys)
     assert f"{field}='bogus' is refused by Accelerate; use one of" in line, line
@@ -462,11 +466,7 @@ def test_a_deepspeed_value_deepspeed_refuses_is_one_line(field, base, tmp_path, 
     import json
     out, args = base
     ds = json.loads((REPO / "ds_configs/zero2.json").read_text())
-    *parents, name = field.split(".")
-    node = ds
-    for parent in parents:
-        node = node.setdefault(parent, {})
-    node[name] = "bogus"
+    _set_bogus(ds, field)
     path = _ds_config(tmp_path, json.dumps(ds), monkeypatch)
     line = refused_in_process(args, out, capsys)
     assert f"DeepSpeed config {path}: {field}='bogus' is refused by DeepSpeed (" in line, line

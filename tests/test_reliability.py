@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from bert_recipes.checkpoint import complete_checkpoints, resolve_resume
-from conftest import REPO, assert_same_weights, launch, launch_watched, tiny_args, worker_pids
+from conftest import REPO, assert_same_weights, launch, launch_watched, run_cli_in_process, tiny_args, worker_pids
 
 STEPS = 32
 NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
@@ -210,16 +210,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_resume_is_exact(bac
 def _full_in_process(argv: list[str], capsys) -> str:
     """train.py's command line in this process, on a disk that fills: exit code 5, one [disk full] line, no
     traceback. -> the line."""
-    import train
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        code = train.run_cli(argv)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-    err = capsys.readouterr().err
+    code, err = run_cli_in_process(argv, capsys)
     lines = [line for line in err.splitlines() if line.startswith("[disk full]")]
     assert code == 5 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     return lines[0]
