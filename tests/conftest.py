@@ -105,11 +105,26 @@ def started_warm(fragment: str) -> int:
 # `make demo` (the README's order). The suite fails when it changed them.
 TREE_OUTPUTS = ("runs", "data")
 _TREE: dict = {}
+_TREE_WRITERS: list = []
 
 
 def pytest_sessionstart(session):
     _TREE.update({root: snapshot(REPO / root) for root in TREE_OUTPUTS})
     _start_warm_server()
+
+
+@pytest.fixture(autouse=True)
+def _tree_outputs_unchanged(request):
+    """The test that changed runs/ or data/ fails at its teardown, by name (the session check below only
+    says that one did). Even creating the empty directory counts: a clean clone has neither."""
+    yield
+    now = {root: snapshot(REPO / root) for root in TREE_OUTPUTS}
+    changed = [root + "/" for root in TREE_OUTPUTS if now[root] != _TREE[root]]
+    if changed:
+        _TREE.update(now)   # told once, by the test that did it
+        _TREE_WRITERS.append(request.node.nodeid)
+        pytest.fail(f"{request.node.nodeid} changed the working tree's {', '.join(changed)}: a test writes under "
+                    "its tmp_path, never where a run writes by default", pytrace=False)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -170,9 +185,10 @@ def pytest_sessionfinish(session, exitstatus):
     for build in _BUILDS:   # collect a finished build's exit status (no zombie); a running one goes on
         build.poll()
     changed = [root for root, before in _TREE.items() if snapshot(REPO / root) != before]
-    if changed:
-        print(f"\n[conftest] the suite changed the working tree's {', '.join(r + '/' for r in changed)}: a test wrote "
-              "where a run writes by default; give it a directory under its tmp_path", file=sys.stderr)
+    if changed or _TREE_WRITERS:   # a process a test left behind may write after its teardown
+        who = ", ".join(_TREE_WRITERS) or "no test by its teardown (a process left running?)"
+        print(f"\n[conftest] the suite changed the working tree's runs/ or data/: {who}; a test writes under its "
+              "tmp_path, never where a run writes by default", file=sys.stderr)
         session.exitstatus = 1
     if "server" in _WARM:   # it also stops by itself when pytest is gone
         _WARM["server"].terminate()
