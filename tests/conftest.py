@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -121,7 +122,10 @@ def _tree_outputs_unchanged(request):
     now = {root: snapshot(REPO / root) for root in TREE_OUTPUTS}
     changed = [root + "/" for root in TREE_OUTPUTS if now[root] != _TREE[root]]
     if changed:
-        _TREE.update(now)   # told once, by the test that did it
+        for root in TREE_OUTPUTS:   # what the suite created goes, so a later writer is caught too
+            if _TREE[root] is None and (REPO / root).exists():
+                shutil.rmtree(REPO / root)
+        _TREE.update({root: snapshot(REPO / root) for root in TREE_OUTPUTS})   # told once, by the test that did it
         _TREE_WRITERS.append(request.node.nodeid)
         pytest.fail(f"{request.node.nodeid} changed the working tree's {', '.join(changed)}: a test writes under "
                     "its tmp_path, never where a run writes by default", pytrace=False)

@@ -30,6 +30,8 @@ def test_the_rehearsal_writes_what_the_gpu_session_returns(tmp_path):
         text = (out / part / "session.md").read_text()
         assert "| goal (one H200) |" in text and "not measured" in text   # the GPU-only figures say so
     must, rest = sessions["must"]["figures"], sessions["rest"]["figures"]
+    for part in ("must", "rest"):   # the bench's quality check (6+ runs) stays out of a 300 s part
+        assert "quality" not in json.loads((out / part / "bench.json").read_text()), part
     rows = must["bench_rows"]
     assert set(rows) == {"mlm: train.py, auto micro batch", "mlm: train.py + compile, auto micro batch",
                          "mlm: Trainer, same micro batch", "mlm: Trainer + compile, same micro batch"}, rows

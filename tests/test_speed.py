@@ -352,7 +352,7 @@ def test_offload_steps_with_deepspeeds_cpu_adam_built_from_the_recipe(tmp_path, 
 
 
 # ----------------------------------------------------------------------------- make bench
-def test_bench_smoke_writes_the_table_and_the_chart(tmp_path):
+def test_bench_smoke_writes_the_table_and_the_chart(tmp_path, sample_dir):
     """Not a speed test: the table has its rows and columns, every number is finite, each run was written
     down as it finished (bench.jsonl), and the collation and fetch costs, the accuracy check and the profile
     are there. Three of the rows (--rows); the GPU session's rows (train.py fine-tuning, the Trainer's MLM
@@ -363,7 +363,8 @@ def test_bench_smoke_writes_the_table_and_the_chart(tmp_path):
     proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--steps", "20", "--classify-steps", "20",
                            "--warmup", "10", "--repeats", "1", "--precisions", "no", "--out", str(out), "--profile",
                            "--rows", rows, "--quality-seeds", "0",   # quality: tests/test_references.py
-                           "--accuracy", "--accuracy-seeds", "1", "--accuracy-steps", "8", "--accuracy-pretrain-steps", "4"],
+                           "--accuracy", "--accuracy-seeds", "1", "--accuracy-steps", "8", "--accuracy-pretrain-steps", "4",
+                           "--sample-dir", str(sample_dir)],
                           cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())

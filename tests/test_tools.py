@@ -10,11 +10,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_table_on_cpu(tmp_path):
+def test_gpu_check_table_on_cpu(tmp_path, sample_dir):
     out = tmp_path / "table.md"
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--cpu", "--rows", "ddp,zero2,fsdp,pipeline",
                            "--size", "tiny", "--seq", "32", "--micro", "4", "--steps", "4",
-                           "--work", str(tmp_path / "work"), "--out", str(out)],
+                           "--work", str(tmp_path / "work"), "--sample-dir", str(sample_dir), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = out.read_text()
@@ -81,9 +81,10 @@ def test_allreduce_hang_is_reported_not_silent():
     assert time.time() - t0 < 200
 
 
-def test_scaling_table_and_chart_on_cpu(tmp_path):
+def test_scaling_table_and_chart_on_cpu(tmp_path, sample_dir):
     proc = subprocess.run([sys.executable, "tools/scaling.py", "--cpu", "--counts", "1,2", "--size", "tiny",
-                           "--seq", "32", "--micro", "8", "--steps", "6", "--work", str(tmp_path)],
+                           "--seq", "32", "--micro", "8", "--steps", "6", "--work", str(tmp_path),
+                           "--sample-dir", str(sample_dir)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = (tmp_path / "ddp/scaling.md").read_text()

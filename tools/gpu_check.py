@@ -45,6 +45,8 @@ def launch_train(row, args, nproc: int, out_dir: Path, overrides: list[str], log
             f"--data.max_seq_length={args.seq}", f"--model.max_position_embeddings={max(512, args.seq)}",
             f"--train.micro_batch_size={args.micro}", f"--train.global_batch_size={args.micro * nproc}"]
     base += [f"--model.{k}={v}" for k, v in SIZES[args.size].items()]
+    if getattr(args, "sample_dir", None):
+        base.append(f"--data.sample_dir={args.sample_dir}")
     if getattr(args, "tokenizer", None):   # every row after the first: the same vocabulary, no retraining
         base.append(f"--tokenizer.name_or_path={args.tokenizer}")
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(REPO / config),
@@ -122,6 +124,8 @@ def add_run_arguments(parser, work: str, cpu_help: str) -> None:
     parser.add_argument("--precision", default=None, help="default: bf16 on GPU, no on CPU")
     parser.add_argument("--cpu", action="store_true", help=cpu_help)
     parser.add_argument("--work", default=work)
+    parser.add_argument("--sample-dir", help="the embedded sample's directory (default: the recipe's, data/sample; "
+                                             "built there when missing)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a launch may take")
     parser.add_argument("--tokenizer", help="a tokenizer directory for every row (default: the first row trains one "
                                             "on the sample, the others reuse it)")

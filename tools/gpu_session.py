@@ -176,7 +176,8 @@ def bench(session: Session, step: Step) -> None:
     cmd = [session.python(), "tools/bench.py", "--size", session.size, "--set", f"gpu-{session.part}", "--repeats", "1",
            "--steps", steps, "--warmup", "10", "--classify-steps", steps, "--out", str(session.scratch / "bench"),
            "--results", str(session.out), "--append", "--limit-scale", str(session.scale),
-           "--data-dir", str(workload_dir(session))]
+           "--data-dir", str(workload_dir(session)), "--sample-dir", str(session.shared / "sample"),
+           "--quality-seeds", "0"]   # make bench's quality check (6+ runs) is not this session's: it would eat the part
     if session.rehearse:
         cmd += ["--compile-backend", "eager", "--collate-repeats", "10"]
     limit = step.limit_s
@@ -187,7 +188,6 @@ def bench(session: Session, step: Step) -> None:
                                        f"+{PREP_S} s to prepare it here")
         from bert_recipes.sample import build_sample
         build_sample(session.shared / "sample")
-        cmd += ["--sample-dir", str(session.shared / "sample")]
     try:
         session.call(cmd, limit, session.scratch / "bench.log")
     finally:   # whatever finished is in bench.json
@@ -239,7 +239,8 @@ def smoke(session: Session, step: Step) -> None:
     reported as GPU-only), each halted after an eval and a checkpoint, resumed, exported."""
     # a launch may take twice its share (the step's own limit still holds): the first one also tokenizes the sample
     cmd = [session.python(), "tools/gpu_smoke.py", "--matrix", "session", "--out", str(session.out / "smoke.md"),
-           "--work", str(session.scratch / "smoke"), "--timeout", str(2 * (LAUNCH_S + SMOKE_WORK_S) * session.scale)]
+           "--work", str(session.scratch / "smoke"), "--sample-dir", str(session.shared / "sample"),
+           "--timeout", str(2 * (LAUNCH_S + SMOKE_WORK_S) * session.scale)]
     cmd += (["--cpu", "--size", "tiny", "--seq", "32", "--micro", "4", "--steps", "4"] if session.rehearse
             else ["--size", "base", "--steps", "4", "--tokenizer", str(workload_dir(session) / "mlm/tokenizer")])
     try:
