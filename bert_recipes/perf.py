@@ -81,7 +81,10 @@ def measured_cpu_peak(dtype=torch.float32, size: int = 1024, repeats: int = 5, f
         known = {}
     if key in known and not fresh:
         return known[key]
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    # its own generator: a draw from the global one would shift every dropout mask of the run that measured
+    # (a seed must fix the run whatever the cache holds; tests/test_train.py)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=g).to(dtype) for _ in range(2))
     a @ b   # warm up
     best = float("inf")
     for _ in range(repeats):
@@ -104,7 +107,8 @@ def measured_matmul_peak(device: torch.device, dtype=torch.float32) -> float:
     if device.type != "cuda":
         return measured_cpu_peak(dtype)
     n = 8192
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)   # not the global stream: see measured_cpu_peak
+    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=g) for _ in range(2))
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:

@@ -141,8 +141,9 @@ class burn:
 
     def run(self, device: int) -> None:
         import torch
-        a = torch.randn(self.size, self.size, device=f"cuda:{device}", dtype=torch.bfloat16)
-        b = torch.randn_like(a)
+        g = torch.Generator(device=f"cuda:{device}").manual_seed(0)   # not the global stream (a seed fixes a run)
+        a, b = (torch.randn(self.size, self.size, device=f"cuda:{device}", dtype=torch.bfloat16, generator=g)
+                for _ in range(2))
         torch.cuda.synchronize(device)
         start, done = time.perf_counter(), 0
         while time.perf_counter() - start < self.seconds:
