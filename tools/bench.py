@@ -22,11 +22,12 @@ peak on CPUs; ours: the head on the predicted positions only), the data-wait sha
 padding share and the number of batch shapes; the ratios of paired rows; the cost of collating and of
 fetching one packed MLM batch of 32 and of 256 sequences on one core.
 
-Quality beside speed (--quality-seeds, 3 by default; 0 skips): for each seed, train.py and the Trainer start
-from the same saved initial weights and train on the same token ids with the same hyperparameters; one
-evaluator scores every model (MLM eval loss and accuracy over the same masks, fine-tuning accuracy on the
-sample task), and the table prints mean ± half the spread beside the MLM speed ratio: a faster loop that
-learns less is not faster.
+Quality beside speed (--quality-seeds, 3 by default; 0 skips): tools/quality.py, paired seeds: for each
+seed train.py and the Trainer start from the same saved initial weights and take the same micro batches in
+the same order with the same maths; one evaluator scores every model (MLM eval loss and accuracy over the
+same masks, fine-tuning accuracy on the sample task), with the positive controls (train.py with a
+quartered lr, and with half its MLM labels) that must fall outside the band; the table sits beside the MLM
+speed ratio: a faster loop that learns less is not faster.
 
 Absolute numbers on a shared machine are noise; the ratios from one run are the result.
 """
@@ -684,227 +685,33 @@ def accuracy_check(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- quality against the Trainer
-QUALITY_LR = 2e-3   # tiny-mlm's: the sample's small models need a high lr to leave the unigram plateau
-# The band a quality test allows around the Trainer's seeds (tests/test_references.py): their range (min..max)
-# widened on each side by the larger of the range itself and these floors
-QUALITY_BAND = {"mlm_loss": 0.1, "mlm_accuracy": 0.02, "classify_accuracy": 0.05}
-EVAL_SEED = 0       # the eval masks: the same positions for every model
-
-
-def quality_hyper(steps: int) -> dict:
-    """What both sides train with: linear decay after 10% warmup, AdamW 0.9/0.999/1e-8, decay 0.01 (not on
-    biases and LayerNorm, both sides' rule), the gradient clipped to norm 1."""
-    return {"lr": QUALITY_LR, "warmup": max(1, steps // 10), "steps": steps}
-
-
-def quality_check(args, data: dict) -> dict:
-    """Does train.py learn what the Trainer learns? For each of --quality-seeds seeds, the same initial weights
-    (BertForMaskedLM at the size's config, torch.manual_seed(seed)), token ids, micro batch and hyperparameters:
-    train.py as users run it (its K-slot head and keyed masking, its dropout path and schedule) against the
-    Trainer with DataCollatorForLanguageModeling, --quality-steps MLM steps; then each side fine-tunes its own
-    model on the sample task for --quality-classify-steps steps (train.py's tiny-classify; the Trainer with
-    DataCollatorWithPadding). One evaluator scores every model: MLM eval loss and accuracy over the same
-    per-token 15% masks of the eval split, and fine-tuning accuracy on the task's eval split (none when
-    --quality-classify-steps is 0)."""
-    size, out = SIZES[args.size], Path(args.out) / "quality"
-    out.mkdir(parents=True, exist_ok=True)
-    data = {**{k: str(v) for k, v in data.items()}, "mlm_named": str(prepare_named_mlm(size, Path(data["mlm"]).parent,
-                                                                                          Path(args.sample_dir)))}
-    seeds = list(range(1, args.quality_seeds + 1))
-    job = {"size": args.size, "data": data, "seeds": seeds, "out": str(out), "mlm": quality_hyper(args.quality_steps),
-           "classify": quality_hyper(args.quality_classify_steps)}
-    quality_worker_run("init", job)
-    print(f"[bench] quality: the Trainer, seeds {seeds} ...", flush=True)
-    quality_worker_run("trainer", job)
-    for seed in seeds:
-        print(f"[bench] quality: train.py, seed {seed} ...", flush=True)
-        quality_ours(job, seed)
-    return {**job, "results": quality_worker_run("evaluate", job)}
-
-
-def prepare_named_mlm(size: dict, root: Path, sample_dir: Path) -> Path:
-    """The MLM workload tokenized with the tokenizer directory named (the classification workload's way): a
-    run that starts from a model directory then agrees with the prepared data's tokenizer."""
-    from prepare import prepare
-
-    from bert_recipes.config import load_config, validate
-    out = root / "mlm-named"
-    if not (out / "prepared.json").exists():
-        cfg = load_config(REPO / "recipes/tiny-mlm.yaml", [
-            f"data.max_seq_length={size['seq']}", f"data.sample_dir={sample_dir}", f"data.cache_dir={root / 'cache'}",
-            f"model.max_position_embeddings={max(512, size['seq'])}",
-            f"tokenizer.name_or_path={root / 'mlm/tokenizer'}"])
-        validate(cfg)
-        prepare(cfg, out)
-    return out
-
-
-def quality_worker_run(stage: str, job: dict):
-    """init, trainer or evaluate in a worker process (transformers' Trainer and its seeding stay out of this
-    one); -> what the stage wrote to its result file."""
-    path = Path(job["out"]) / f"{stage}.json"
-    (Path(job["out"]) / f"{stage}-job.json").write_text(json.dumps({**job, "stage": stage, "result": str(path)}))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    code, stdout, _, _ = _run_watched([sys.executable, __file__, "--quality-worker",
-                                       str(Path(job["out"]) / f"{stage}-job.json")], env)
+def quality_check(args) -> dict:
+    """tools/quality.py in its own process (the Trainer's seeding stays out of this one): --quality-seeds seeds,
+    --quality-steps MLM steps, --quality-classify-steps fine-tuning steps, the positive controls included.
+    -> its quality.json (the tiny shape whatever --size: the comparison must leave the plateau on 2 cores)."""
+    out = Path(args.out) / "quality"
+    cmd = [sys.executable, str(REPO / "tools/quality.py"), f"--seeds=1-{args.quality_seeds}",
+           f"--mlm-steps={args.quality_steps}", f"--classify-steps={args.quality_classify_steps}",
+           "--controls=lr/4,half-labels", f"--out={out}", f"--sample-dir={args.sample_dir}"]
+    print(f"[bench] quality: {' '.join(cmd[1:])}", flush=True)
+    code, stdout, _, _ = _run_watched(cmd, {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     if code:
-        raise SystemExit(f"[bench] quality: the {stage} worker failed:\n{stdout[-3000:]}")
-    return json.loads(path.read_text()) if path.exists() else None
+        raise SystemExit(f"[bench] quality: tools/quality.py failed:\n{stdout[-3000:]}")
+    return json.loads((out / "quality.json").read_text())
 
 
-def quality_ours(job: dict, seed: int) -> None:
-    """train.py from the seed's initial weights (MLM), then tiny-classify from its export."""
-    size, out, data = SIZES[job["size"]], Path(job["out"]), job["data"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    for kind, recipe, start, prepared in (("mlm", "tiny-mlm.yaml", out / f"init-{seed}", data["mlm_named"]),
-                                          ("classify", "tiny-classify.yaml", out / f"ours-mlm-{seed}/model",
-                                           data["classify"])):
-        h = job[kind]
-        if not h["steps"]:
-            continue
-        cmd = [sys.executable, str(REPO / "train.py"), "--recipe", str(REPO / "recipes" / recipe),
-               f"--run.output_dir={out / f'ours-{kind}-{seed}'}", "--run.overwrite=true", f"--run.seed={seed}",
-               "--data.source=prepared", f"--data.prepared_dir={prepared}", f"--data.max_seq_length={size['seq']}",
-               f"--model.name_or_path={start}", f"--tokenizer.name_or_path={Path(data['mlm']) / 'tokenizer'}",
-               f"--train.max_steps={h['steps']}", f"--train.global_batch_size={size['batch']}",
-               f"--train.micro_batch_size={size['batch']}", "--train.eval_every=null", "--train.eval_final=false",
-               f"--optim.lr={h['lr']}", f"--optim.warmup_steps={h['warmup']}", "--optim.decay=linear",
-               "--optim.weight_decay=0.01", "--optim.eps=1e-8", "--optim.max_grad_norm=1.0",
-               "--logging.trackers=[]", "--logging.plot=false", "--logging.progress_bar=false",
-               "--checkpoint.save_every=null", "--checkpoint.save_final=false", "--checkpoint.export=true"]
-        code, stdout, _, _ = _run_watched(cmd, env)
-        if code:
-            raise SystemExit(f"[bench] quality: train.py ({kind}, seed {seed}) failed:\n{stdout[-3000:]}")
-
-
-def quality_worker(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
-    result = {"init": quality_init, "trainer": quality_trainer, "evaluate": quality_evaluate}[job["stage"]](job)
-    Path(job["result"]).write_text(json.dumps(result))
-
-
-def quality_init(job: dict) -> None:
-    """One BertForMaskedLM per seed, saved with the tokenizer: both sides start from these weights."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
-    size, out = SIZES[job["size"]], Path(job["out"])
-    tokenizer = AutoTokenizer.from_pretrained(Path(job["data"]["mlm"]) / "tokenizer")
-    config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=max(512, size["seq"]),
-                        pad_token_id=tokenizer.pad_token_id, **{k: size[k] for k in MODEL_KEYS})
-    for seed in job["seeds"]:
-        torch.manual_seed(seed)
-        BertForMaskedLM(config).save_pretrained(out / f"init-{seed}")
-        tokenizer.save_pretrained(out / f"init-{seed}")
-
-
-def quality_trainer(job: dict) -> None:
-    """The Trainer's side: MLM from the seed's initial weights with DataCollatorForLanguageModeling (15%), then
-    fine-tuning of that model with DataCollatorWithPadding; each saved for the evaluator."""
-    from datasets import DatasetDict
-    from transformers import (AutoTokenizer, BertForMaskedLM, BertForSequenceClassification,
-                              DataCollatorForLanguageModeling, DataCollatorWithPadding, Trainer, TrainingArguments)
-
-    from bert_recipes.config import load_config
-    size, out, data = SIZES[job["size"]], Path(job["out"]), job["data"]
-    tokenizer = AutoTokenizer.from_pretrained(Path(data["mlm"]) / "tokenizer")
-    labels = load_config(REPO / "recipes/tiny-classify.yaml").task.num_labels
-    for seed in job["seeds"]:
-        for kind, build, start, prepared, collator in (
-                ("mlm", BertForMaskedLM.from_pretrained, out / f"init-{seed}", data["mlm_named"],
-                 DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)),
-                ("classify", lambda p: BertForSequenceClassification.from_pretrained(p, num_labels=labels),
-                 out / f"trainer-mlm-{seed}", data["classify"], DataCollatorWithPadding(tokenizer))):
-            h = job[kind]
-            if not h["steps"]:
-                continue
-            args = TrainingArguments(
-                output_dir=str(out / f"trainer-{kind}-{seed}"), per_device_train_batch_size=size["batch"],
-                max_steps=h["steps"], learning_rate=h["lr"], warmup_steps=h["warmup"], lr_scheduler_type="linear",
-                weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-                save_strategy="no", report_to=[], logging_steps=10 ** 9, dataloader_num_workers=0, use_cpu=True,
-                seed=seed, disable_tqdm=True, optim="adamw_torch_fused")
-            train_set = DatasetDict.load_from_disk(str(Path(prepared) / "data"))["train"]
-            trainer = Trainer(model=build(start), args=args, train_dataset=train_set, data_collator=collator)
-            trainer.train()
-            trainer.save_model(str(out / f"trainer-{kind}-{seed}"))
-
-
-def quality_evaluate(job: dict) -> dict:
-    """Every model through one evaluator -> {side: {seed: {mlm_loss, mlm_accuracy, classify_accuracy}}}."""
-    import torch
-    from datasets import DatasetDict
-    from transformers import (AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              DataCollatorForLanguageModeling, DataCollatorWithPadding)
-    out, data = Path(job["out"]), job["data"]
-    tokenizer = AutoTokenizer.from_pretrained(Path(data["mlm"]) / "tokenizer")
-    mlm_eval = DatasetDict.load_from_disk(str(Path(data["mlm_named"]) / "data"))["eval"]
-    cls_eval = DatasetDict.load_from_disk(str(Path(data["classify"]) / "data"))["eval"]
-    mask, pad = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15), DataCollatorWithPadding(tokenizer)
-    batches = lambda rows, size=32: [[rows[i] for i in range(s, min(s + size, len(rows)))]   # noqa: E731
-                                     for s in range(0, len(rows), size)]
-    results = {}
-    with torch.no_grad():
-        for side, mlm_dir, cls_dir in (("train.py", "ours-mlm-{}/model", "ours-classify-{}/model"),
-                                       ("Trainer", "trainer-mlm-{}", "trainer-classify-{}")):
-            for seed in job["seeds"]:
-                model = AutoModelForMaskedLM.from_pretrained(out / mlm_dir.format(seed)).eval()
-                torch.manual_seed(EVAL_SEED)   # the collator draws its masks from torch's global stream
-                loss = correct = count = 0
-                for rows in batches(mlm_eval):
-                    batch = mask([{"input_ids": r["input_ids"]} for r in rows])
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    chosen = batch["labels"] != -100
-                    loss += torch.nn.functional.cross_entropy(logits[chosen], batch["labels"][chosen], reduction="sum")
-                    correct += (logits[chosen].argmax(-1) == batch["labels"][chosen]).sum()
-                    count += int(chosen.sum())
-                right, total = 0, 0 if job["classify"]["steps"] else None
-                model = (AutoModelForSequenceClassification.from_pretrained(out / cls_dir.format(seed)).eval()
-                         if total is not None else None)
-                for rows in batches(cls_eval) if model is not None else []:
-                    batch = pad([{k: r[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in r}
-                                 for r in rows])
-                    labels = torch.tensor([r["labels"] if "labels" in r else r["label"] for r in rows])
-                    right += int((model(**batch).logits.argmax(-1) == labels).sum())
-                    total += len(rows)
-                results.setdefault(side, {})[str(seed)] = {
-                    "mlm_loss": float(loss) / count, "mlm_accuracy": float(correct) / count,
-                    "classify_accuracy": right / total if total else None}
-    return results
-
-
-def quality_rows(quality: dict) -> list[dict]:
-    """Per side and metric: mean and spread (max - min) over the seeds."""
-    rows = []
-    for side, by_seed in quality["results"].items():
-        row_ = {"side": side}
-        for metric in ("mlm_loss", "mlm_accuracy", "classify_accuracy"):
-            values = [by_seed[str(s)][metric] for s in quality["seeds"]]
-            if None in values:
-                row_[metric] = None
-                continue
-            row_[metric] = {"mean": statistics.mean(values), "spread": max(values) - min(values),
-                            "min": min(values), "max": max(values), "values": values}
-        rows.append(row_)
-    return rows
-
-
-def render_quality(quality: dict | None, ratios: list[dict]) -> list[str]:
-    """The quality row of each side beside the speed ratio: a faster loop that learns less is not faster."""
-    if not quality:
+def render_quality(report: dict | None, ratios: list[dict]) -> list[str]:
+    """The quality table (tools/quality.py) beside the speed ratio: a faster loop that learns less is not faster."""
+    if not report:
         return []
+    from quality import render
     speed = next((r for r in ratios if r["what"] == "mlm: train.py / mlm: Trainer"), None)
-    lines = ["", f"## Quality against the Trainer: seeds {quality['seeds']}, {quality['mlm']['steps']} MLM steps "
-             f"from the same initial weights, then {quality['classify']['steps']} fine-tuning steps on the sample task",
-             "", "| side | MLM eval loss | MLM accuracy | fine-tuning accuracy | "
-             "MLM tokens/s ratio (train.py / Trainer) |",
-             "|---|---|---|---|---|"]
-    for r in quality_rows(quality):
-        ratio = f"**{speed['ratio']:.2f}x** ({speed['precision']})" if speed and r["side"] == "train.py" else ""
-        cells = [f"{r[m]['mean']:.3f} ± {r[m]['spread'] / 2:.3f}" if r[m] else "n/a"
-                 for m in ("mlm_loss", "mlm_accuracy", "classify_accuracy")]
-        lines.append(f"| {r['side']} | " + " | ".join(cells) + f" | {ratio} |")
-    return lines + ["", "mean ± half the spread (max - min) over the seeds; one evaluator scores every model over the "
-                    f"same masks (per-token 15%, torch seed {EVAL_SEED}) and the task's eval split."]
+    lines = ["", f"## Quality against the Trainer: seeds {report['seeds']}, {report['mlm']['steps']} MLM steps "
+             f"from the same initial weights on the same micro batches, then {report['classify']['steps']} "
+             "fine-tuning steps from train.py's model (tools/quality.py)", ""]
+    if speed:
+        lines += [f"MLM tokens/s ratio (train.py / Trainer) in this run: **{speed['ratio']:.2f}x** ({speed['precision']})", ""]
+    return lines + render(report)
 
 
 def _pct(value) -> str:
@@ -1003,7 +810,6 @@ def chart(result: dict, path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--quality-worker", help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=sorted(SIZES), default="mini")
     parser.add_argument("--precisions", default="no,bf16", help="comma-separated: no, bf16 (and fp16 on GPUs)")
     parser.add_argument("--steps", type=int, default=40)
@@ -1023,10 +829,10 @@ def main(argv=None) -> int:
     parser.add_argument("--accuracy-steps", type=int, default=256, help="fine-tuning steps (tiny-classify: 4 epochs)")
     parser.add_argument("--accuracy-pretrain-steps", type=int, default=600, help="tiny-mlm steps (as make demo)")
     parser.add_argument("--quality-seeds", type=int, default=3,
-                        help="train.py against the Trainer on quality: MLM eval loss and accuracy, fine-tuning "
-                             "accuracy, over these many seeds (0 skips)")
-    parser.add_argument("--quality-steps", type=int, default=200, help="MLM steps per quality run")
-    parser.add_argument("--quality-classify-steps", type=int, default=64, help="fine-tuning steps per quality run")
+                        help="train.py against the Trainer on quality (tools/quality.py): MLM eval loss and accuracy, "
+                             "fine-tuning accuracy, paired over these many seeds, with its positive controls (0 skips)")
+    parser.add_argument("--quality-steps", type=int, default=500, help="MLM steps per quality run")
+    parser.add_argument("--quality-classify-steps", type=int, default=192, help="fine-tuning steps per quality run")
     parser.add_argument("--profile", action="store_true",
                         help="also profile train.py's MLM step at each precision (torch.profiler top 10)")
     parser.add_argument("--out", default="runs/bench", help="runs, prepared data and (unless --results) the results")
@@ -1040,18 +846,13 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker)
         return 0
-    if args.quality_worker:
-        quality_worker(args.quality_worker)
-        return 0
     if args.warmup % WINDOW or args.steps <= args.warmup:
         parser.error(f"--warmup must be a multiple of {WINDOW} (train.py's log window) and below --steps")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.results or args.out).mkdir(parents=True, exist_ok=True)
     result = measure(args)
     if args.quality_seeds:
-        data = prepare_workloads(SIZES[args.size], Path(args.data_dir) if args.data_dir else Path(args.out) /
-                                 f"data-{args.size}", Path(args.sample_dir))
-        result["quality"] = quality_check(args, data)
+        result["quality"] = quality_check(args)
         write_outputs(result, Path(args.results or args.out), chart_too=False)
     if args.accuracy:
         result["accuracy"] = accuracy_check(args)

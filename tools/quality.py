@@ -1,0 +1,354 @@
+"""Does train.py learn what transformers' Trainer learns? Paired seeds, like for like, with positive controls.
+
+    python tools/quality.py --seeds 1,2 --controls lr/4,half-labels --out /tmp/quality   # the suite's form
+    python tools/quality.py --seeds 1-6 --classify-steps 192 --out /tmp/quality         # make bench's long form
+
+For each seed, both sides train the tiny BERT (hidden 64, 2 layers, vocabulary 1,000, sequence 64) on the
+embedded sample's packed MLM blocks, past the unigram plateau (eval loss ~5.97 at 100 steps; ~5.6 at 500):
+- the same initial weights: one BertForMaskedLM per seed (torch.manual_seed(seed)), saved, loaded by both;
+- the same micro batches in the same order: train.py runs first (in this process, as `python train.py`
+  runs it: train.run_cli's main) and its collator records the rows of every micro batch it builds; the
+  Trainer's sampler replays that order;
+- the same maths per optimizer step: micro batch 8 x accumulation 2, AdamW (0.9, 0.999, 1e-8, decay 0.01,
+  none on biases and LayerNorm), the gradient clipped to norm 1, lr 2e-3, 10% warmup then linear decay.
+  Under accumulation the Trainer divides the loss by the accumulation steps only when the model does not
+  take **kwargs: BertForMaskedLM.forward does (transformers 5.24), and its loss ignores num_items_in_batch,
+  so the Trainer's gradient would be 2x train.py's (the same as clipping at 0.5). The Trainer here is told
+  the model does not take them (model_accepts_loss_kwargs = False), which restores the division.
+What still differs, by design or by library, and is therefore inside the measured spread:
+- masking: train.py picks exactly round(15% x tokens) positions a sequence, keyed by (seed, epoch, row)
+  (its K-slot head: the logits of those positions only); the Trainer's DataCollatorForLanguageModeling
+  draws each token with probability 15% from torch's global stream;
+- dropout: each side's own stream;
+- the warmup's first step: train.py's step s runs at lr x (s + 1) / warmup, transformers' at lr x s / warmup
+  (its step 0 has lr 0): train.py is one step ahead through the warmup, and equal after it.
+Every random draw is seeded: the weights, the data order (train.py's seed), both sides' masks and dropout,
+the classifier head (built once per seed from the seed's MLM model, saved, loaded by both sides).
+
+One evaluator scores every model: MLM eval loss and accuracy over the eval split under EVAL_DRAWS fixed
+per-token 15% mask draws (the same for every model); fine-tuning accuracy on the sample task's eval split.
+
+The verdict (`verdict`): per seed, d = train.py's eval loss - the Trainer's (paired). train.py passes when
+every seed's d lies in BAND. Positive controls (--controls) are train.py with a deliberately worse setting,
+scored by the same rule against the same Trainer runs; each must fail it, or the comparison has no power:
+- lr/4: the peak learning rate quartered;
+- half-labels: the loss sees the labels of only the first half (in position order) of each sequence's
+  masked positions; the inputs are masked as usual.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from unittest import mock
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread: at this size a second one gains little, and under load (a suite, another session) an idle
+# OpenMP thread spins: measured 2026-12-03 on 2 cores, 60 ms a step with one thread against 140-620 with two.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+SEQ, MICRO, ACCUM = 64, 8, 2
+TOKENIZER = REPO / "tests/data/wordpiece-1000"   # committed: a trained tokenizer breaks ties in hash order
+MLM = {"lr": 2e-3, "steps": 500}                  # tiny-mlm's lr: the sample's small models need it
+CLASSIFY = {"lr": 1e-3, "steps": 0}               # tiny-classify's lr
+EVAL_SEED, EVAL_DRAWS = 0, 4
+PLATEAU = 5.97   # the MLM eval loss where both sides sit for the first ~100 steps (the unigram level)
+# The band of the paired difference d (train.py's MLM eval loss - the Trainer's, nats), per seed. Measured
+# 2026-12-03 (tools/quality.py --seeds 1-6, 500 steps; docs/speed.md "Quality beside speed"): see BAND_NOTE.
+BAND = (-0.05, 0.05)
+BAND_NOTE = "placeholder"
+CONTROLS = ("lr/4", "half-labels")
+
+
+# ----------------------------------------------------------------------------- the data and the initial weights
+def prepare_data(root: Path, sample_dir: Path) -> dict[str, Path]:
+    """The sample's packed MLM blocks and its classification task, tokenized once (tools/prepare.py)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from prepare import prepare
+
+    from bert_recipes.config import load_config, validate
+    out = {"mlm": root / "mlm", "classify": root / "classify"}
+    for kind, recipe in (("mlm", "tiny-mlm.yaml"), ("classify", "tiny-classify.yaml")):
+        if not (out[kind] / "prepared.json").exists():
+            cfg = load_config(REPO / "recipes" / recipe, [
+                f"data.max_seq_length={SEQ}", f"data.sample_dir={sample_dir}", f"data.cache_dir={root / 'cache'}",
+                "model.name_or_path=null", "model.max_position_embeddings=512", f"tokenizer.name_or_path={TOKENIZER}"])
+            validate(cfg)
+            prepare(cfg, out[kind])
+    return out
+
+
+def initial_weights(out: Path, seed: int) -> Path:
+    """The seed's BertForMaskedLM, saved with the tokenizer: both sides start from these weights."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+    path = out / f"init-{seed}"
+    if not (path / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+        config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                            **SHAPE)
+        torch.manual_seed(seed)
+        BertForMaskedLM(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def classifier_start(mlm_model: Path, out: Path, seed: int) -> Path:
+    """The seed's classifier: the MLM model's encoder and a new head drawn under torch.manual_seed(seed)."""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from bert_recipes.config import load_config
+    labels = load_config(REPO / "recipes/tiny-classify.yaml").task.num_labels
+    path = out / f"classify-init-{seed}"
+    torch.manual_seed(seed)
+    BertForSequenceClassification.from_pretrained(mlm_model, num_labels=labels).save_pretrained(path)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- train.py's side
+def half_labels(batch: dict) -> dict:
+    """The half-labels control: keep the labels of the first ceil(n/2) masked positions of each row (in
+    position order, which is also the K-slot order) and drop the rest to -100."""
+    import torch
+    labels = batch["labels"]
+    chosen = labels != -100
+    rank = torch.cumsum(chosen.long(), 1) - 1
+    keep = chosen & (rank < (chosen.sum(1, keepdim=True) + 1) // 2)
+    return {**batch, "labels": torch.where(keep, labels, -100)}
+
+
+def recording(prepare_data_fn, order: list, control: str | None):
+    """train.prepare_data, whose collator records each micro batch's rows (and applies the control)."""
+    def wrapped(*args, **kwargs):
+        tokenizer, data, collate, test_index = prepare_data_fn(*args, **kwargs)
+        base = type(collate)
+
+        def call(self, examples):
+            order.append([e["idx"] for e in examples])
+            batch = base.__call__(self, examples)
+            return half_labels(batch) if control == "half-labels" else batch
+        collate.__class__ = type("Recorded" + base.__name__, (base,), {"__call__": call})   # copies keep it
+        return tokenizer, data, collate, test_index
+    return wrapped
+
+
+def run_train_py(kind: str, start: Path, prepared: Path, out_dir: Path, seed: int, hyper: dict,
+                 control: str | None = None) -> list[list[int]]:
+    """train.py's command line in this process (train.run_cli, as `python train.py` runs it), the collator
+    recording; -> the rows of each micro batch, in the order the steps took them."""
+    import train
+    from accelerate.state import AcceleratorState, GradientState
+    lr = hyper["lr"] / 4 if control == "lr/4" else hyper["lr"]
+    recipe = {"mlm": "tiny-mlm.yaml", "classify": "tiny-classify.yaml"}[kind]
+    argv = ["--recipe", str(REPO / "recipes" / recipe), f"--run.output_dir={out_dir}", "--run.overwrite=true",
+            f"--run.seed={seed}", "--data.source=prepared", f"--data.prepared_dir={prepared}",
+            f"--data.max_seq_length={SEQ}", "--data.num_workers=0", f"--model.name_or_path={start}",
+            f"--tokenizer.name_or_path={TOKENIZER}", f"--train.max_steps={hyper['steps']}",
+            f"--train.global_batch_size={MICRO * ACCUM}", f"--train.micro_batch_size={MICRO}",
+            "--train.eval_every=null", "--train.eval_final=false", f"--optim.lr={lr}",
+            f"--optim.warmup_steps={max(1, hyper['steps'] // 10)}", "--optim.decay=linear", "--optim.weight_decay=0.01",
+            "--optim.eps=1e-8", "--optim.max_grad_norm=1.0", "--logging.trackers=[]", "--logging.plot=false",
+            "--logging.progress_bar=false", "--logging.log_every=100", "--checkpoint.save_every=null",
+            "--checkpoint.save_final=false", "--checkpoint.export=true"]
+    order: list[list[int]] = []
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        with mock.patch.object(train, "prepare_data", recording(train.prepare_data, order, control)):
+            code = train.run_cli(argv)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    if code:
+        raise SystemExit(f"[quality] train.py ({kind}, seed {seed}, {control or 'as is'}) exited with {code}")
+    return order[:hyper["steps"] * ACCUM]   # Accelerate's loader collates one batch ahead: the last is unused
+
+
+# ----------------------------------------------------------------------------- the Trainer's side
+def run_trainer(kind: str, start: Path, prepared: Path, out_dir: Path, seed: int, hyper: dict,
+                order: list[list[int]]) -> None:
+    """The Trainer from the same start on the same micro batches in train.py's order, the same maths."""
+    from accelerate.state import AcceleratorState, GradientState
+    from datasets import DatasetDict
+    from transformers import (AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer,
+                              DataCollatorForLanguageModeling, DataCollatorWithPadding, Trainer, TrainingArguments)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    rows = [i for batch in order for i in batch]
+
+    class Replay(Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return rows   # a list is a sampler: its indices in order
+
+    if kind == "mlm":
+        model, collator = AutoModelForMaskedLM.from_pretrained(start), DataCollatorForLanguageModeling(tokenizer, 0.15)
+    else:
+        model, collator = AutoModelForSequenceClassification.from_pretrained(start), DataCollatorWithPadding(tokenizer)
+    args = TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
+        max_steps=hyper["steps"], learning_rate=hyper["lr"], warmup_steps=max(1, hyper["steps"] // 10),
+        lr_scheduler_type="linear", weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        max_grad_norm=1.0, save_strategy="no", report_to=[], logging_steps=10 ** 9, dataloader_num_workers=0,
+        use_cpu=True, seed=seed, disable_tqdm=True, optim="adamw_torch_fused", dataloader_drop_last=True)
+    train_set = DatasetDict.load_from_disk(str(prepared / "data"))["train"]
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    trainer = Replay(model=model, args=args, train_dataset=train_set, data_collator=collator)
+    trainer.model_accepts_loss_kwargs = False   # restores loss / accumulation steps: see the module docstring
+    trainer.train()
+    trainer.save_model(str(out_dir))
+
+
+# ----------------------------------------------------------------------------- one evaluator
+def evaluate_mlm(model_dir: Path, prepared: Path) -> dict:
+    """MLM eval loss and accuracy over the eval split under EVAL_DRAWS per-token 15% mask draws (torch seed
+    EVAL_SEED: the same masks for every model)."""
+    import torch
+    from datasets import DatasetDict
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling
+    rows = DatasetDict.load_from_disk(str(prepared / "data"))["eval"]["input_ids"]
+    mask = DataCollatorForLanguageModeling(AutoTokenizer.from_pretrained(TOKENIZER), mlm_probability=0.15)
+    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
+    loss = correct = count = 0
+    torch.manual_seed(EVAL_SEED)
+    with torch.no_grad():
+        for _ in range(EVAL_DRAWS):
+            for s in range(0, len(rows), 32):
+                batch = mask([{"input_ids": r} for r in rows[s:s + 32]])
+                logits = model(input_ids=batch["input_ids"]).logits
+                chosen = batch["labels"] != -100
+                loss += float(torch.nn.functional.cross_entropy(logits[chosen], batch["labels"][chosen], reduction="sum"))
+                correct += int((logits[chosen].argmax(-1) == batch["labels"][chosen]).sum())
+                count += int(chosen.sum())
+    return {"mlm_loss": loss / count, "mlm_accuracy": correct / count}
+
+
+def evaluate_classifier(model_dir: Path, prepared: Path) -> float:
+    import torch
+    from datasets import DatasetDict
+    from transformers import AutoModelForSequenceClassification
+    split = DatasetDict.load_from_disk(str(prepared / "data"))["eval"]
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    right = 0
+    with torch.no_grad():
+        for row in split:
+            ids = torch.tensor([row["input_ids"]])
+            right += int(model(input_ids=ids).logits.argmax(-1).item() == row["labels"])
+    return right / len(split)
+
+
+def majority_baseline(prepared: Path) -> float:
+    """The eval split's accuracy of always predicting the training split's most common label."""
+    from collections import Counter
+
+    from datasets import DatasetDict
+    splits = DatasetDict.load_from_disk(str(prepared / "data"))
+    common = Counter(splits["train"]["labels"]).most_common(1)[0][0]
+    return sum(label == common for label in splits["eval"]["labels"]) / len(splits["eval"])
+
+
+# ----------------------------------------------------------------------------- the comparison
+def compare(seeds: list[int], controls: list[str], out: Path, sample_dir: Path, mlm_steps: int,
+            classify_steps: int, control_seeds: list[int] | None = None) -> dict:
+    """Every run and every score -> {"results": {variant: {seed: metrics}}, ...}, written to out/quality.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(out / "data", sample_dir)
+    mlm, classify = {**MLM, "steps": mlm_steps}, {**CLASSIFY, "steps": classify_steps}
+    results: dict[str, dict[str, dict]] = {}
+    for seed in seeds:
+        start = initial_weights(out, seed)
+        print(f"[quality] seed {seed}: train.py, {mlm_steps} MLM steps", flush=True)
+        order = run_train_py("mlm", start, data["mlm"], out / f"ours-{seed}", seed, mlm)
+        print(f"[quality] seed {seed}: the Trainer on the same {len(order)} micro batches", flush=True)
+        run_trainer("mlm", start, data["mlm"], out / f"trainer-{seed}", seed, mlm, order)
+        results.setdefault("train.py", {})[str(seed)] = evaluate_mlm(out / f"ours-{seed}/model", data["mlm"])
+        results.setdefault("Trainer", {})[str(seed)] = evaluate_mlm(out / f"trainer-{seed}", data["mlm"])
+        for control in controls if control_seeds is None or seed in control_seeds else ():
+            print(f"[quality] seed {seed}: train.py, control {control}", flush=True)
+            name = "control-" + control.replace("/", "_")
+            run_train_py("mlm", start, data["mlm"], out / f"{name}-{seed}", seed, mlm, control)
+            results.setdefault(f"train.py {control}", {})[str(seed)] = evaluate_mlm(out / f"{name}-{seed}/model",
+                                                                                   data["mlm"])
+        if classify_steps:   # both from train.py's MLM model of this seed (past the plateau), the same head
+            cls_start = classifier_start(out / f"ours-{seed}/model", out, seed)
+            print(f"[quality] seed {seed}: fine-tuning, {classify_steps} steps each", flush=True)
+            order = run_train_py("classify", cls_start, data["classify"], out / f"ours-classify-{seed}", seed, classify)
+            run_trainer("classify", cls_start, data["classify"], out / f"trainer-classify-{seed}", seed, classify, order)
+            results["train.py"][str(seed)]["classify_accuracy"] = evaluate_classifier(
+                out / f"ours-classify-{seed}/model", data["classify"])
+            results["Trainer"][str(seed)]["classify_accuracy"] = evaluate_classifier(
+                out / f"trainer-classify-{seed}", data["classify"])
+    report = {"seeds": seeds, "mlm": mlm, "classify": classify, "micro": MICRO, "accum": ACCUM, "results": results,
+              "majority_baseline": majority_baseline(data["classify"]) if classify_steps else None,
+              "verdicts": {v: verdict(results, v) for v in results if v != "Trainer"}}
+    (out / "quality.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def verdict(results: dict, variant: str = "train.py") -> dict:
+    """Per seed d = variant's MLM eval loss - the Trainer's; passes when every d lies in BAND."""
+    seeds = sorted(results[variant], key=int)
+    d = {s: results[variant][s]["mlm_loss"] - results["Trainer"][s]["mlm_loss"] for s in seeds}
+    return {"d": d, "mean_d": statistics.mean(d.values()), "band": list(BAND),
+            "passes": all(BAND[0] <= x <= BAND[1] for x in d.values())}
+
+
+def render(report: dict) -> list[str]:
+    """The table: per variant, the mean and half the spread of each metric, and the verdict."""
+    lines = ["| side | MLM eval loss | MLM accuracy | fine-tuning accuracy | paired d (nats) per seed | verdict |",
+             "|---|---|---|---|---|---|"]
+    for variant, by_seed in report["results"].items():
+        cells = []
+        for metric in ("mlm_loss", "mlm_accuracy", "classify_accuracy"):
+            values = [m[metric] for m in by_seed.values() if m.get(metric) is not None]
+            cells.append(f"{statistics.mean(values):.3f} ± {(max(values) - min(values)) / 2:.3f}" if values else "n/a")
+        v = report["verdicts"].get(variant)
+        ds = ", ".join(f"{x:+.3f}" for x in v["d"].values()) if v else ""
+        verdict_ = ("within" if v["passes"] else "**outside**") + f" [{BAND[0]:+.2f}, {BAND[1]:+.2f}]" if v else ""
+        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {ds} | {verdict_} |")
+    if report.get("majority_baseline") is not None:
+        lines.append(f"\nFine-tuning's majority-class baseline on the eval split: {report['majority_baseline']:.3f}.")
+    return lines
+
+
+def seed_list(text: str) -> list[int]:
+    if "-" in text:
+        first, last = text.split("-")
+        return list(range(int(first), int(last) + 1))
+    return [int(s) for s in text.split(",") if s]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="1,2", help="1,2 or 1-6")
+    parser.add_argument("--controls", default="", help=f"comma-separated, of {sorted(CONTROLS)}")
+    parser.add_argument("--control-seeds", help="run the controls for these seeds only (default: every seed)")
+    parser.add_argument("--mlm-steps", type=int, default=MLM["steps"])
+    parser.add_argument("--classify-steps", type=int, default=CLASSIFY["steps"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sample-dir", default="data/sample")
+    args = parser.parse_args(argv)
+    controls = [c for c in args.controls.split(",") if c]
+    unknown = sorted(set(controls) - set(CONTROLS))
+    if unknown:
+        parser.error(f"--controls: unknown {unknown}; use any of {sorted(CONTROLS)}")
+    from bert_recipes.sample import build_sample
+    build_sample(args.sample_dir)
+    report = compare(seed_list(args.seeds), controls, Path(args.out), Path(args.sample_dir), args.mlm_steps,
+                     args.classify_steps, seed_list(args.control_seeds) if args.control_seeds else None)
+    print("\n".join(render(report)))
+    return 0
+
+
+if __name__ == "__main__":
+    from bert_recipes.cli import quick_exit
+    quick_exit(main())
