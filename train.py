@@ -170,7 +170,9 @@ def main(cfg: Config) -> dict:
             print0(lengthened)
     run.state["layout"], run.state["total_steps"] = layout, total_steps
     start_writing(run, cfg.run.overwrite, cfg.checkpoint.resume)   # every check has passed
-    engine.start_trackers(cfg.run.name, flat_dict(cfg))
+    # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
+    run.state["trackers"] = {**run.state.get("trackers", {}),
+                             **engine.start_trackers(cfg.run.name, flat_dict(cfg), run.state.get("trackers"))}
 
     # -------------------------------------------------------------------- loop, save
     run.preemption.install()   # from here a SIGTERM / SIGUSR1 means: finish the step, save, exit

@@ -123,8 +123,8 @@ class AccelerateEngine:
     def all_sum(self, tensor):
         return self.accelerator.reduce(tensor, reduction="sum")
 
-    def start_trackers(self, run_name: str, config: dict):
-        self.trackers.start(run_name, config)
+    def start_trackers(self, run_name: str, config: dict, ids: dict | None = None) -> dict:
+        return self.trackers.start(run_name, config, ids)
 
     def log(self, values: dict, step: int):
         self.trackers.log(values, step)

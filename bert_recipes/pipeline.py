@@ -251,8 +251,8 @@ class PipelineEngine:
         torch.distributed.all_reduce(tensor)
         return tensor
 
-    def start_trackers(self, run_name: str, config: dict):
-        self.trackers.start(run_name, config)
+    def start_trackers(self, run_name: str, config: dict, ids: dict | None = None) -> dict:
+        return self.trackers.start(run_name, config, ids)
 
     def log(self, values: dict, step: int):
         self.trackers.log(values, step)
