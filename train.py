@@ -144,7 +144,8 @@ def main(cfg: Config) -> dict:
     steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
     module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
-           f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, {describe_decay(cfg.optim, total_steps)}")
+           f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
+           f"{describe_decay(cfg.optim, total_steps)}")
     for warning in schedule_warnings(cfg, total_steps, slots=not plan.pipeline):
         print0(warning)
 

@@ -151,7 +151,10 @@ def lr_factor(step: int, warmup: int, total: int, decay: str, min_ratio: float, 
             return 1.0
         start = decay_start
     progress = min(1.0, (step - start) / max(1, total - start))
-    shape = (1.0 - progress) ** poly_power if decay == "polynomial" else _SHAPES[decay_shape if decay == "wsd" else decay](progress)
+    if decay == "polynomial":
+        shape = (1.0 - progress) ** poly_power
+    else:
+        shape = _SHAPES[decay_shape if decay == "wsd" else decay](progress)
     return min_ratio + (1.0 - min_ratio) * shape
 
 
@@ -177,7 +180,8 @@ def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
     """The schedule over total_steps. Its checkpointed state is the step count only (scheduler.json): a
     resume rebuilds the shape from the resumed run's config, so a longer run re-places a wsd decay."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg, total_steps))
-    scheduler.total_steps, scheduler.warmup_steps = total_steps, warmup_steps(cfg, total_steps)   # for a DeepSpeed-owned schedule
+    # for a DeepSpeed-owned schedule (backends/deepspeed.py)
+    scheduler.total_steps, scheduler.warmup_steps = total_steps, warmup_steps(cfg, total_steps)
     return scheduler
 
 

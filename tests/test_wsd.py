@@ -80,7 +80,8 @@ def test_a_longer_run_keeps_the_past_only_under_wsd():
 
 
 def test_wsd_decay_start_is_checked_against_the_warmup():
-    cfg = load_config(None, ["train.max_steps=10", "optim.decay=wsd", "optim.warmup_steps=5", "optim.wsd_decay_start=3"])
+    cfg = load_config(None, ["train.max_steps=10", "optim.decay=wsd", "optim.warmup_steps=5",
+                             "optim.wsd_decay_start=3"])
     with pytest.raises(ConfigError, match=r"optim.wsd_decay_start=3 falls inside the warmup \(optim.warmup_steps=5\)"):
         validate(cfg)
 
