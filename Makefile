@@ -39,14 +39,17 @@ help:  ## list the targets
 # requirements-references.txt: the tests' outside references, into .venv/references (not on sys.path, no
 # dependencies: timm must stay unimportable, or accelerate's CLI imports it and fails without torchvision).
 # --upgrade replaces what an earlier setup put there, so a second run (or a changed pin) is the same install.
-$(VENV)/.installed: requirements.txt requirements-references.txt
+# requirements-trackers.txt: the MLflow and W&B clients logging.trackers can name (41 packages, 196 MB, ~25 s), into .venv
+# itself (train.py imports them); kept apart from requirements.txt, which a run without them does not need.
+$(VENV)/.installed: requirements.txt requirements-references.txt requirements-trackers.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements-trackers.txt
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/references -r requirements-references.txt
 	touch $@
 
-setup: $(VENV)/.installed  ## create .venv and install requirements.txt (and requirements-references.txt for the tests)
+setup: $(VENV)/.installed  ## create .venv and install requirements.txt, requirements-trackers.txt (MLflow, W&B) and requirements-references.txt (tests)
 
 DEMO_MLM = --recipe recipes/tiny-mlm.yaml --run.output_dir=$(RUNS)/tiny-mlm --data.sample_dir=$(SAMPLE) \
 	--run.overwrite=true --logging.progress_bar=false $(ARGS)

@@ -49,7 +49,7 @@ from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
-from bert_recipes.optim import build_optimizer, build_scheduler
+from bert_recipes.optim import build_optimizer, build_scheduler, describe_decay, schedule_change
 from bert_recipes.doctor.nvml import start_sampler
 from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table, rank_extremes,
                                start_profiler, utilisation_text)
@@ -144,7 +144,8 @@ def main(cfg: Config) -> dict:
     steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
     module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
-           f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, {cfg.optim.decay} decay")
+           f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
+           f"{describe_decay(cfg.optim, total_steps)}")
     for warning in schedule_warnings(cfg, total_steps, slots=not plan.pipeline):
         print0(warning)
 
@@ -165,9 +166,14 @@ def main(cfg: Config) -> dict:
         engine.load(checkpoint)
         run.state = read_train_state(checkpoint)
         print0(f"[resume] from {checkpoint} at step {run.state['step']}")
-    run.state["layout"] = layout
+        lengthened = schedule_change(cfg.optim, run.state["step"], run.state.get("total_steps", total_steps), total_steps)
+        if lengthened:   # the schedule follows this run's length from the checkpoint's step on
+            print0(lengthened)
+    run.state["layout"], run.state["total_steps"] = layout, total_steps
     start_writing(run, cfg.run.overwrite, cfg.checkpoint.resume)   # every check has passed
-    engine.start_trackers(cfg.run.name, flat_dict(cfg))
+    # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
+    run.state["trackers"] = {**run.state.get("trackers", {}),
+                             **engine.start_trackers(cfg.run.name, flat_dict(cfg), run.state.get("trackers"))}
 
     # -------------------------------------------------------------------- loop, save
     run.preemption.install()   # from here a SIGTERM / SIGUSR1 means: finish the step, save, exit

@@ -201,8 +201,20 @@ class OptimConfig:
     warmup_steps: Optional[int] = None
     warmup_ratio: float = 0.0
     """Used when warmup_steps is None: warmup = ratio x total optimizer steps."""
-    decay: Literal["linear", "cosine", "polynomial", "constant"] = "linear"
-    """After warmup: linear, cosine, polynomial ((1 - progress) ** poly_power) or constant."""
+    decay: Literal["linear", "cosine", "polynomial", "constant", "wsd"] = "linear"
+    """After warmup: linear, cosine, polynomial ((1 - progress) ** poly_power), constant, or wsd
+    (warmup-stable-decay: the peak lr held until the decay phase, then wsd_decay_shape down to min_lr_ratio).
+    Only wsd lets a stable-phase checkpoint resume with a larger train.max_steps and its past unchanged: the
+    others are shaped by the run's length from the first step (docs/config.md#warmup-stable-decay)."""
+    wsd_decay_ratio: float = 0.2
+    """wsd: the share of the run's steps that decay (the last round(ratio x steps); torchtitan's decay_ratio).
+    0: none (a constant lr after warmup, to decay later from a checkpoint). Ignored when wsd_decay_start is set."""
+    wsd_decay_start: Optional[int] = None
+    """wsd: the first decay step (0-based optimizer step, at least the warmup's steps) instead of a ratio; at
+    or beyond the run's last step the run never decays (resume it with a larger train.max_steps to decay)."""
+    wsd_decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+    """wsd: the decay's shape over progress p in [0, 1): 1 - p, (1 + cos(pi p)) / 2, or 1 - sqrt(p)
+    (transformers' decay_type names; 1-sqrt: ModernBERT's, best of the three in Hägele et al. 2024)."""
     poly_power: float = 1.0
     """The exponent of the polynomial decay (NVIDIA's LAMB phase 1 uses 0.5)."""
     min_lr_ratio: float = 0.0
@@ -680,6 +692,9 @@ def schedule_warnings(cfg: Config, total_steps: int, slots: bool = True) -> list
     if warmup >= total_steps:
         out.append(f"[warning] the warmup ({warmup} steps) is not shorter than the run ({total_steps} steps): the lr "
                    f"never reaches optim.lr={o.lr} and there is no decay; lower optim.warmup_steps / warmup_ratio")
+    if o.decay == "wsd" and o.wsd_decay_start is not None and o.wsd_decay_start >= total_steps:
+        out.append(f"[warning] optim.wsd_decay_start={o.wsd_decay_start} >= the run's {total_steps} steps: it never "
+                   "decays (resume it with a larger train.max_steps to decay)")
     if cfg.checkpoint.save_every and cfg.checkpoint.save_every >= total_steps:
         out.append(f"[warning] checkpoint.save_every={cfg.checkpoint.save_every} >= the run's {total_steps} steps: "
                    "the only checkpoint is the final one")
@@ -782,6 +797,8 @@ _RANGES = [
     Range("optim.warmup_ratio", low=0, high=1, open_high=True),
     Range("optim.min_lr_ratio", low=0, high=1),
     Range("optim.poly_power", **POSITIVE, hint="e.g. 0.5 or 1"),
+    Range("optim.wsd_decay_ratio", low=0, high=1, hint="the share of steps that decay, e.g. 0.2"),
+    Range("optim.wsd_decay_start", low=0, hint="a 0-based optimizer step"),
     Range("optim.betas", low=0, high=1, open_high=True, items=2, hint="e.g. [0.9, 0.999]"),
     Range("data.mlm_probability", low=0, high=1, open_low=True, open_high=True, hint="e.g. 0.15"),
     Range("data.max_seq_length", low=8, hint="tokens"),
@@ -864,6 +881,10 @@ def validate(cfg: Config) -> None:
     if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size={t.micro_batch_size}")
+    o = cfg.optim
+    if o.decay == "wsd" and o.wsd_decay_start is not None and (o.warmup_steps or 0) > o.wsd_decay_start:
+        raise ConfigError(f"optim.wsd_decay_start={o.wsd_decay_start} falls inside the warmup "
+                          f"(optim.warmup_steps={o.warmup_steps}): set it to at least {o.warmup_steps}")
     if t.max_steps is None and t.epochs is None:
         raise ConfigError("set train.max_steps and/or train.epochs: the run needs an end")
     if d.max_seq_length > m.max_position_embeddings and m.name_or_path is None:

@@ -25,7 +25,7 @@ from .guard import control_group, on_any_rank, slow_barrier
 from .logs import Trackers
 from .metrics import joined_rows
 from .modeling import batch_rows, predictions
-from .optim import build_scheduler
+from .optim import build_scheduler, resume_schedule
 from .perf import peak_memory_gb
 
 
@@ -123,8 +123,8 @@ class AccelerateEngine:
     def all_sum(self, tensor):
         return self.accelerator.reduce(tensor, reduction="sum")
 
-    def start_trackers(self, run_name: str, config: dict):
-        self.trackers.start(run_name, config)
+    def start_trackers(self, run_name: str, config: dict, ids: dict | None = None) -> dict:
+        return self.trackers.start(run_name, config, ids)
 
     def log(self, values: dict, step: int):
         self.trackers.log(values, step)
@@ -291,6 +291,7 @@ class AccelerateEngine:
             self.scheduler.load_state_dict(json.loads(schedule.read_text()))
         else:   # a checkpoint from before scheduler.json: Accelerate's custom_checkpoint_0.pkl, plain data
             self.scheduler.load_state_dict(torch.load(Path(path) / "custom_checkpoint_0.pkl", weights_only=True))
+        resume_schedule(self.scheduler)   # this run's schedule from the checkpoint's step (another length: optim.py)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml, card)

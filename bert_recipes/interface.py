@@ -47,8 +47,9 @@ class Engine(Protocol):
     def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, on every rank."""
 
-    def start_trackers(self, run_name: str, config: dict) -> None:
-        """Open logging.trackers (rank 0) with the flat config."""
+    def start_trackers(self, run_name: str, config: dict, ids: dict | None = None) -> dict:
+        """Open logging.trackers (rank 0) with the flat config, continuing the runs `ids` names (a resume);
+        -> {tracker: run id} to save with the checkpoints (logs.Trackers)."""
 
     def log(self, values: dict, step: int) -> None:
         """One point per key on every tracker."""

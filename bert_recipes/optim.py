@@ -1,4 +1,4 @@
-"""AdamW or LAMB with decoupled weight decay, and a warmup + decay schedule."""
+"""AdamW or LAMB with decoupled weight decay, and a warmup + decay schedule (warmup-stable-decay among them)."""
 from __future__ import annotations
 
 import math
@@ -122,21 +122,97 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total_steps)
 
 
-def lr_factor(step: int, warmup: int, total: int, decay: str, min_ratio: float, poly_power: float = 1.0) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
+def wsd_decay_start(cfg: OptimConfig, total_steps: int) -> int:
+    """optim.decay=wsd: the 0-based index of the first decay step. optim.wsd_decay_start if set, else the
+    last round(wsd_decay_ratio x total) steps decay (torchtitan's decay_ratio), never inside the warmup:
+    e.g. 1,000 steps at ratio 0.2 -> steps 0-799 warm up then hold the peak lr, 800-999 decay."""
+    if cfg.wsd_decay_start is not None:
+        return cfg.wsd_decay_start
+    return max(warmup_steps(cfg, total_steps), total_steps - round(cfg.wsd_decay_ratio * total_steps))
+
+
+_SHAPES = {"linear": lambda progress: 1.0 - progress,
+           "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+           "1-sqrt": lambda progress: 1.0 - math.sqrt(progress)}
+
+
+def lr_factor(step: int, warmup: int, total: int, decay: str, min_ratio: float, poly_power: float = 1.0,
+              decay_start: int | None = None, decay_shape: str = "1-sqrt") -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based). The decay runs from its first step
+    (the end of the warmup; under wsd `decay_start`, the stable phase held at 1 until then) at progress 0
+    to `total` at progress 1, as transformers' schedules do: the last step's progress is (n - 1) / n."""
     if warmup and step < warmup:
         return (step + 1) / warmup
     if decay == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
-             "polynomial": (1.0 - progress) ** poly_power}[decay]
+    start = warmup
+    if decay == "wsd":
+        if step < decay_start:
+            return 1.0
+        start = decay_start
+    progress = min(1.0, (step - start) / max(1, total - start))
+    if decay == "polynomial":
+        shape = (1.0 - progress) ** poly_power
+    else:
+        shape = _SHAPES[decay_shape if decay == "wsd" else decay](progress)
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
+def schedule(cfg: OptimConfig, total_steps: int):
+    """step (0-based) -> the factor of the peak lr, for a run of total_steps."""
     warmup = warmup_steps(cfg, total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.decay, cfg.min_lr_ratio, cfg.poly_power))
-    scheduler.total_steps, scheduler.warmup_steps = total_steps, warmup   # for a DeepSpeed-owned schedule
+    start = wsd_decay_start(cfg, total_steps) if cfg.decay == "wsd" else None
+    return lambda step: lr_factor(step, warmup, total_steps, cfg.decay, cfg.min_lr_ratio, cfg.poly_power, start,
+                                  cfg.wsd_decay_shape)
+
+
+def describe_decay(cfg: OptimConfig, total_steps: int) -> str:
+    """The [schedule] line's words for the decay: under wsd, where each phase runs (1-based steps)."""
+    if cfg.decay != "wsd":
+        return f"{cfg.decay} decay"
+    warmup, start = warmup_steps(cfg, total_steps), wsd_decay_start(cfg, total_steps)
+    decay = (f"{cfg.wsd_decay_shape} decay over steps {start + 1}-{total_steps} to {cfg.min_lr_ratio:g} x lr"
+             if start < total_steps else "no decay in this run")
+    return f"wsd: {warmup} warmup steps, the peak lr through step {min(start, total_steps)}, {decay}"
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
+    """The schedule over total_steps. Its checkpointed state is the step count only (scheduler.json): a
+    resume rebuilds the shape from the resumed run's config, so a longer run re-places a wsd decay."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg, total_steps))
+    # for a DeepSpeed-owned schedule (backends/deepspeed.py)
+    scheduler.total_steps, scheduler.warmup_steps = total_steps, warmup_steps(cfg, total_steps)
     return scheduler
+
+
+def resume_schedule(scheduler) -> None:
+    """After a resume: the optimizer's lr from this run's schedule at the checkpoint's step. The optimizer's
+    saved lr is the checkpointed run's; with another run length it would drive one more step."""
+    inner = getattr(scheduler, "scheduler", scheduler)   # Accelerate's AcceleratedScheduler wraps it
+    if not isinstance(inner, torch.optim.lr_scheduler.LambdaLR):   # a DeepSpeed-owned schedule restores itself
+        return
+    for group, base_lr, factor in zip(inner.optimizer.param_groups, inner.base_lrs, inner.lr_lambdas):
+        group["lr"] = base_lr * factor(inner.last_epoch)
+    inner._last_lr = [group["lr"] for group in inner.optimizer.param_groups]
+
+
+def schedule_change(cfg: OptimConfig, step: int, was_total: int, total: int) -> str | None:
+    """A resume after `step` optimizer steps whose run length changed (train.max_steps or train.epochs),
+    was_total -> total: the one [resume] line saying what that does to the lr; None when it did not change."""
+    if was_total == total:
+        return None
+    old, new, lr = schedule(cfg, was_total), schedule(cfg, total), cfg.lr
+    head = f"[resume] the run's length changed, {was_total} -> {total} optimizer steps (train.max_steps / train.epochs)"
+    past = next((k for k in range(step) if old(k) != new(k)), None)
+    if past is None and old(step) == new(step):
+        if cfg.decay != "wsd":
+            return f"{head}: optim.decay={cfg.decay} gives every step the same lr as before"
+        was, now = wsd_decay_start(cfg, was_total), wsd_decay_start(cfg, total)
+        return (f"{head}: optim.decay=wsd holds the peak lr {lr:g} through step {now} and decays "
+                f"({cfg.wsd_decay_shape}) over steps {now + 1}-{total} (was {was + 1}-{was_total}); the lr of "
+                f"steps 1-{step}, up to this checkpoint, is unchanged")
+    then = (f"; steps {past + 1}-{step} trained on the old one (a run of {total} steps would have given step "
+            f"{past + 1} lr {new(past) * lr:.3e}, not {old(past) * lr:.3e})" if past is not None else "")
+    return (f"{head}: optim.decay={cfg.decay} is shaped by the run's length, so step {step + 1} trains at lr "
+            f"{new(step) * lr:.3e}, not {old(step) * lr:.3e}{then}; optim.decay=wsd with optim.warmup_steps "
+            "resumes a stable-phase checkpoint with its past unchanged")

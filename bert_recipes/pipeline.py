@@ -40,6 +40,7 @@ from .logs import Trackers
 from .memory import bubble_line
 from .metrics import joined_rows
 from .modeling import batch_rows, masked_lm_loss, predictions
+from .optim import resume_schedule
 from .rng import load_rng_state, save_rng_state
 
 TIED_KEY = "embeddings"
@@ -250,8 +251,8 @@ class PipelineEngine:
         torch.distributed.all_reduce(tensor)
         return tensor
 
-    def start_trackers(self, run_name: str, config: dict):
-        self.trackers.start(run_name, config)
+    def start_trackers(self, run_name: str, config: dict, ids: dict | None = None) -> dict:
+        return self.trackers.start(run_name, config, ids)
 
     def log(self, values: dict, step: int):
         self.trackers.log(values, step)
@@ -396,6 +397,7 @@ class PipelineEngine:
         DeepSpeed's universal checkpoint, like ZeRO-1's."""
         with resharded(Path(path), self.num_processes, self.engine, self.is_main, self.broadcast, tag="engine") as source:
             self.engine.load_checkpoint(str(source), tag="engine")
+        resume_schedule(self.scheduler)   # this run's schedule from the checkpoint's step (another length: optim.py)
         load_rng_state(path, self.rank, self.on_gpu)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:

@@ -5,6 +5,8 @@ planner run the same checks. DeepSpeed's rules live in backends/deepspeed.py. No
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..config import Config, ConfigError, grad_accum_steps, packed_dropout_here, padded_batches, repeating_shapes
 from .deepspeed import deepspeed_conflicts
 from .plan import LaunchPlan, bf16_supported, local_capability, pipeline_replicas
@@ -82,12 +84,26 @@ def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="loca
 
 
 def check_trackers(trackers: list[str]) -> list[str]:
-    """The recipe's trackers, each known and installed."""
+    """The recipe's trackers, each known and installed (a missing one: the package to install, as pinned)."""
     for name in trackers:
-        if name not in ("tensorboard", "wandb", "mlflow"):
+        if name not in TRACKER_PACKAGES:
             raise ConfigError(f"logging.trackers: unknown tracker '{name}' (use tensorboard, wandb or mlflow)")
         try:
             __import__(name)
         except ImportError:
-            raise ConfigError(f"logging.trackers includes '{name}' but it is not installed: pip install {name}")
+            raise ConfigError(f"logging.trackers includes '{name}' but it is not installed: pip install "
+                              f"{tracker_pin(name)} (requirements-trackers.txt, which make setup installs), "
+                              f"or leave '{name}' out") from None
     return list(trackers)
+
+
+# logging.trackers' names -> the package that provides each (MLflow's client alone: mlflow-skinny)
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
+
+
+def tracker_pin(name: str) -> str:
+    """The package of a tracker as requirements-trackers.txt pins it (e.g. wandb==0.31.0)."""
+    package = TRACKER_PACKAGES[name]
+    pins = Path(__file__).resolve().parents[2] / "requirements-trackers.txt"
+    lines = pins.read_text().splitlines() if pins.is_file() else []
+    return next((line.split("#")[0].strip() for line in lines if line.startswith(f"{package}==")), package)
