@@ -689,9 +689,13 @@ def quality_check(args) -> dict:
     """tools/quality.py in its own process (the Trainer's seeding stays out of this one): --quality-seeds seeds,
     --quality-steps MLM steps, --quality-classify-steps fine-tuning steps, the positive controls included.
     -> its quality.json (the tiny shape whatever --size: the comparison must leave the plateau on 2 cores)."""
-    out = Path(args.out) / "quality"
+    out, demo = Path(args.out) / "quality", REPO / "runs/tiny-mlm/model"
+    classify_steps = args.quality_classify_steps if (demo / "config.json").exists() else 0
+    if args.quality_classify_steps and not classify_steps:
+        print(f"[bench] quality: no fine-tuning rows: they start from make demo's model, and {demo} is missing "
+              "(run make demo first)", flush=True)
     cmd = [sys.executable, str(REPO / "tools/quality.py"), f"--seeds=1-{args.quality_seeds}",
-           f"--mlm-steps={args.quality_steps}", f"--classify-steps={args.quality_classify_steps}",
+           f"--mlm-steps={args.quality_steps}", f"--classify-steps={classify_steps}",
            "--controls=lr/4,half-labels", f"--out={out}", f"--sample-dir={args.sample_dir}"]
     print(f"[bench] quality: {' '.join(cmd[1:])}", flush=True)
     code, stdout, _, _ = _run_watched(cmd, {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
