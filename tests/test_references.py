@@ -232,7 +232,7 @@ def test_train_py_learns_what_the_trainer_learns_and_its_worse_controls_do_not(t
     from quality import BAND, PLATEAU
     out = tmp_path / "quality"
     env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "tools/quality.py", "--seeds", "1,2", "--controls", "lr/4,half-labels",
+    proc = subprocess.run([sys.executable, "tools/quality.py", "--seeds", "1,2", "--controls", "quarter-lr,half-labels",
                            "--control-seeds", "1", "--out", str(out), "--sample-dir", str(sample_dir)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -242,6 +242,6 @@ def test_train_py_learns_what_the_trainer_learns_and_its_worse_controls_do_not(t
     for side in ("train.py", "Trainer"):   # both left the plateau: the comparison is of learning, not of noise
         assert all(m["mlm_loss"] < PLATEAU - 0.2 for m in results[side].values()), results
     assert verdicts["train.py"]["passes"], verdicts["train.py"]
-    for control in ("lr/4", "half-labels"):
+    for control in ("quarter-lr", "half-labels"):
         d = verdicts[f"train.py {control}"]["d"]
         assert list(d) == ["1"] and d["1"] > BAND[1], (control, d, BAND)

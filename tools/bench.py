@@ -696,7 +696,7 @@ def quality_check(args) -> dict:
               "(run make demo first)", flush=True)
     cmd = [sys.executable, str(REPO / "tools/quality.py"), f"--seeds=1-{args.quality_seeds}",
            f"--mlm-steps={args.quality_steps}", f"--classify-steps={classify_steps}",
-           "--controls=lr/4,half-labels", f"--out={out}", f"--sample-dir={args.sample_dir}"]
+           "--controls=quarter-lr,half-labels", f"--out={out}", f"--sample-dir={args.sample_dir}"]
     print(f"[bench] quality: {' '.join(cmd[1:])}", flush=True)
     code, stdout, _, _ = _run_watched(cmd, {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     if code:
@@ -712,7 +712,7 @@ def render_quality(report: dict | None, ratios: list[dict]) -> list[str]:
     speed = next((r for r in ratios if r["what"] == "mlm: train.py / mlm: Trainer"), None)
     lines = ["", f"## Quality against the Trainer: seeds {report['seeds']}, {report['mlm']['steps']} MLM steps "
              f"from the same initial weights on the same micro batches, then {report['classify']['steps']} "
-             "fine-tuning steps from train.py's model (tools/quality.py)", ""]
+             "fine-tuning steps from make demo's model (tools/quality.py)", ""]
     if speed:
         lines += [f"MLM tokens/s ratio (train.py / Trainer) in this run: **{speed['ratio']:.2f}x** ({speed['precision']})", ""]
     return lines + render(report)

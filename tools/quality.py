@@ -1,6 +1,6 @@
 """Does train.py learn what transformers' Trainer learns? Paired seeds, like for like, with positive controls.
 
-    python tools/quality.py --seeds 1,2 --controls lr/4,half-labels --out /tmp/quality   # the suite's form
+    python tools/quality.py --seeds 1,2 --controls quarter-lr,half-labels --out /tmp/quality   # the suite's form
     python tools/quality.py --seeds 1-6 --classify-steps 192 --out /tmp/quality         # make bench's long form
 
 For each seed, both sides train the tiny BERT (hidden 64, 2 layers, vocabulary 1,000, sequence 64) on the
@@ -31,7 +31,7 @@ per-token 15% mask draws (the same for every model); fine-tuning accuracy on the
 The verdict (`verdict`): per seed, d = train.py's eval loss - the Trainer's (paired). train.py passes when
 every seed's d lies in BAND. Positive controls (--controls) are train.py with a deliberately worse setting,
 scored by the same rule against the same Trainer runs; each must fail it, or the comparison has no power:
-- lr/4: the peak learning rate quartered;
+- quarter-lr: the peak learning rate quartered;
 - half-labels: the loss sees the labels of only the first half (in position order) of each sequence's
   masked positions; the inputs are masked as usual.
 """
@@ -69,10 +69,10 @@ PLATEAU = 5.97   # the MLM eval loss where both sides sit for the first ~100 ste
 # over seeds 1-6 +- 4 standard deviations, rounded outward to 0.005. Measured 2026-12-03 on this project's
 # 2-core machine (torch 2.13.0+cpu, transformers 5.24.0; `tools/quality.py --seeds 1-6 --control-seeds 1,2,4`,
 # 500 steps): d = +0.0099, +0.0118, +0.0040, -0.0092, +0.0052, +0.0024 (mean +0.004, sd 0.0074); the controls'
-# d: lr/4 +0.212, +0.222, +0.197; half-labels +0.105, +0.125, +0.072 (seeds 1, 2, 4). Both sides' eval loss
+# d: quarter-lr +0.212, +0.222, +0.197; half-labels +0.105, +0.125, +0.072 (seeds 1, 2, 4). Both sides' eval loss
 # 5.58 +- 0.01, 0.39 nats below the plateau.
 BAND = (-0.030, 0.035)
-CONTROLS = ("lr/4", "half-labels")
+CONTROLS = ("quarter-lr", "half-labels")
 
 
 # ----------------------------------------------------------------------------- the data and the initial weights
@@ -158,7 +158,7 @@ def run_train_py(kind: str, start: Path, prepared: Path, out_dir: Path, seed: in
     recording; -> the rows of each micro batch, in the order the steps took them."""
     import train
     from accelerate.state import AcceleratorState, GradientState
-    lr = hyper["lr"] / 4 if control == "lr/4" else hyper["lr"]
+    lr = hyper["lr"] / 4 if control == "quarter-lr" else hyper["lr"]
     recipe = {"mlm": "tiny-mlm.yaml", "classify": "tiny-classify.yaml"}[kind]
     argv = ["--recipe", str(REPO / "recipes" / recipe), f"--run.output_dir={out_dir}", "--run.overwrite=true",
             f"--run.seed={seed}", "--data.source=prepared", f"--data.prepared_dir={prepared}",
@@ -269,41 +269,51 @@ def majority_baseline(prepared: Path) -> float:
 # ----------------------------------------------------------------------------- the comparison
 def compare(seeds: list[int], controls: list[str], out: Path, sample_dir: Path, mlm: dict, classify: dict,
             control_seeds: list[int] | None = None) -> dict:
-    """Every run and every score -> {"results": {variant: {seed: metrics}}, ...}, written to out/quality.json."""
+    """Every run and every score -> {"results": {variant: {seed: metrics}}, ...}, written to out/quality.json.
+    mlm["steps"] = 0 skips the MLM comparison, classify["steps"] = 0 the fine-tuning one."""
     out.mkdir(parents=True, exist_ok=True)
-    data = {"mlm": prepare_data(out / "data", sample_dir, "mlm", mlm)}
-    classify_steps = classify["steps"]
-    if classify_steps:
-        data["classify"] = prepare_data(out / "data", sample_dir, "classify", classify)
-    results: dict[str, dict[str, dict]] = {}
+    results: dict[str, dict[str, dict]] = {"train.py": {}, "Trainer": {}}
     for seed in seeds:
-        start = initial_weights(out, seed)
-        print(f"[quality] seed {seed}: train.py, {mlm['steps']} MLM steps", flush=True)
-        order = run_train_py("mlm", start, data["mlm"], out / f"ours-{seed}", seed, mlm)
-        print(f"[quality] seed {seed}: the Trainer on the same {len(order)} micro batches", flush=True)
-        run_trainer("mlm", start, data["mlm"], out / f"trainer-{seed}", seed, mlm, order)
-        results.setdefault("train.py", {})[str(seed)] = evaluate_mlm(out / f"ours-{seed}/model", data["mlm"])
-        results.setdefault("Trainer", {})[str(seed)] = evaluate_mlm(out / f"trainer-{seed}", data["mlm"])
-        for control in controls if control_seeds is None or seed in control_seeds else ():
-            print(f"[quality] seed {seed}: train.py, control {control}", flush=True)
-            name = "control-" + control.replace("/", "_")
-            run_train_py("mlm", start, data["mlm"], out / f"{name}-{seed}", seed, mlm, control)
-            results.setdefault(f"train.py {control}", {})[str(seed)] = evaluate_mlm(out / f"{name}-{seed}/model",
-                                                                                   data["mlm"])
-        if classify_steps:   # both from the same exported model (the demo's), with the same new head
-            cls_start = classifier_start(Path(classify["tokenizer"]), out, seed)
-            print(f"[quality] seed {seed}: fine-tuning, {classify_steps} steps each", flush=True)
-            order = run_train_py("classify", cls_start, data["classify"], out / f"ours-classify-{seed}", seed, classify)
-            run_trainer("classify", cls_start, data["classify"], out / f"trainer-classify-{seed}", seed, classify, order)
-            results["train.py"][str(seed)]["classify_accuracy"] = evaluate_classifier(
-                out / f"ours-classify-{seed}/model", data["classify"])
-            results["Trainer"][str(seed)]["classify_accuracy"] = evaluate_classifier(
-                out / f"trainer-classify-{seed}", data["classify"])
+        for side in ("train.py", "Trainer"):
+            results[side][str(seed)] = {}
+        if mlm["steps"]:
+            runs = controls if control_seeds is None or seed in control_seeds else []
+            mlm_runs(out, prepare_data(out / "data", sample_dir, "mlm", mlm), seed, mlm, runs, results)
+        if classify["steps"]:
+            classify_runs(out, prepare_data(out / "data", sample_dir, "classify", classify), seed, classify, results)
     report = {"seeds": seeds, "mlm": mlm, "classify": classify, "micro": MICRO, "accum": ACCUM, "results": results,
-              "majority_baseline": majority_baseline(data["classify"]) if classify_steps else None,
-              "verdicts": {v: verdict(results, v) for v in results if v != "Trainer"}}
+              "majority_baseline": majority_baseline(out / "data" / f"classify-{classify['seq']}")
+              if classify["steps"] else None,
+              "verdicts": {v: verdict(results, v) for v in results if v != "Trainer"} if mlm["steps"] else {}}
     (out / "quality.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def mlm_runs(out: Path, prepared: Path, seed: int, mlm: dict, controls: list[str], results: dict) -> None:
+    """train.py, then the Trainer on its micro batches, then train.py under each control; each model scored."""
+    start = initial_weights(out, seed)
+    print(f"[quality] seed {seed}: train.py, {mlm['steps']} MLM steps", flush=True)
+    order = run_train_py("mlm", start, prepared, out / f"ours-{seed}", seed, mlm)
+    print(f"[quality] seed {seed}: the Trainer on the same {len(order)} micro batches", flush=True)
+    run_trainer("mlm", start, prepared, out / f"trainer-{seed}", seed, mlm, order)
+    results["train.py"][str(seed)].update(evaluate_mlm(out / f"ours-{seed}/model", prepared))
+    results["Trainer"][str(seed)].update(evaluate_mlm(out / f"trainer-{seed}", prepared))
+    for control in controls:
+        print(f"[quality] seed {seed}: train.py, control {control}", flush=True)
+        name = f"control-{control}"
+        run_train_py("mlm", start, prepared, out / f"{name}-{seed}", seed, mlm, control)
+        results.setdefault(f"train.py {control}", {})[str(seed)] = evaluate_mlm(out / f"{name}-{seed}/model", prepared)
+
+
+def classify_runs(out: Path, prepared: Path, seed: int, classify: dict, results: dict) -> None:
+    """Both sides fine-tune the same exported model (the demo's) with the same new head, on the same batches."""
+    start = classifier_start(Path(classify["tokenizer"]), out, seed)
+    print(f"[quality] seed {seed}: fine-tuning, {classify['steps']} steps each", flush=True)
+    order = run_train_py("classify", start, prepared, out / f"ours-classify-{seed}", seed, classify)
+    run_trainer("classify", start, prepared, out / f"trainer-classify-{seed}", seed, classify, order)
+    results["train.py"][str(seed)]["classify_accuracy"] = evaluate_classifier(out / f"ours-classify-{seed}/model",
+                                                                              prepared)
+    results["Trainer"][str(seed)]["classify_accuracy"] = evaluate_classifier(out / f"trainer-classify-{seed}", prepared)
 
 
 def verdict(results: dict, variant: str = "train.py") -> dict:
