@@ -836,7 +836,8 @@ def main(argv=None) -> int:
                         help="train.py against the Trainer on quality (tools/quality.py): MLM eval loss and accuracy, "
                              "fine-tuning accuracy, paired over these many seeds, with its positive controls (0 skips)")
     parser.add_argument("--quality-steps", type=int, default=500, help="MLM steps per quality run")
-    parser.add_argument("--quality-classify-steps", type=int, default=192, help="fine-tuning steps per quality run")
+    parser.add_argument("--quality-classify-steps", type=int, default=256,
+                        help="fine-tuning steps per quality run, from make demo's model (none without it)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile train.py's MLM step at each precision (torch.profiler top 10)")
     parser.add_argument("--out", default="runs/bench", help="runs, prepared data and (unless --results) the results")

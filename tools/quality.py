@@ -1,7 +1,7 @@
 """Does train.py learn what transformers' Trainer learns? Paired seeds, like for like, with positive controls.
 
-    python tools/quality.py --seeds 1,2 --controls quarter-lr,half-labels --out /tmp/quality   # the suite's form
-    python tools/quality.py --seeds 1-6 --classify-steps 192 --out /tmp/quality         # make bench's long form
+    python tools/quality.py --seeds 1,2 --controls quarter-lr,half-labels --control-seeds 1 --out /tmp/q   # the suite's
+    python tools/quality.py --seeds 1-3 --controls quarter-lr,half-labels --classify-steps 256 --out /tmp/q  # make bench's
 
 For each seed, both sides train the tiny BERT (hidden 64, 2 layers, vocabulary 1,000, sequence 64) on the
 embedded sample's packed MLM blocks, past the unigram plateau (eval loss ~5.97 at 100 steps; ~5.6 at 500):
@@ -23,7 +23,10 @@ What still differs, by design or by library, and is therefore inside the measure
 - the warmup's first step: train.py's step s runs at lr x (s + 1) / warmup, transformers' at lr x s / warmup
   (its step 0 has lr 0): train.py is one step ahead through the warmup, and equal after it.
 Every random draw is seeded: the weights, the data order (train.py's seed), both sides' masks and dropout,
-the classifier head (built once per seed from the seed's MLM model, saved, loaded by both sides).
+the classifier head (built once per seed under torch.manual_seed(seed), saved, loaded by both sides).
+
+Fine-tuning (--classify-steps) starts both sides from one exported MLM model, make demo's by default
+(--classify-from), with the seed's new head, on the same micro batches: see CLASSIFY.
 
 One evaluator scores every model: MLM eval loss and accuracy over the eval split under EVAL_DRAWS fixed
 per-token 15% mask draws (the same for every model); fine-tuning accuracy on the sample task's eval split.
