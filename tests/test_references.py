@@ -223,7 +223,7 @@ def test_train_py_learns_what_the_trainer_learns_and_its_worse_controls_do_not(t
     and +0.012; the comment at BAND has every figure).
     The positive controls run the same comparison on seed 1 and must fail it on the worse side: train.py with
     its lr quartered (d = +0.212 measured), and train.py whose loss sees the labels of only half the masked
-    positions (+0.105). About 3 minutes on 2 idle cores (6 runs of 500 steps, one thread each). A
+    positions (+0.105). 6 runs of 500 steps, in two processes of one thread each. A
     comparison that passes them has no power (the test this replaced, 100 steps on the plateau with a band of
     at least 0.1 nats, passed with train.py's lr halved)."""
     import json

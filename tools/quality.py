@@ -44,7 +44,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -273,50 +275,113 @@ def majority_baseline(prepared: Path) -> float:
 def compare(seeds: list[int], controls: list[str], out: Path, sample_dir: Path, mlm: dict, classify: dict,
             control_seeds: list[int] | None = None) -> dict:
     """Every run and every score -> {"results": {variant: {seed: metrics}}, ...}, written to out/quality.json.
-    mlm["steps"] = 0 skips the MLM comparison, classify["steps"] = 0 the fine-tuning one."""
+    mlm["steps"] = 0 skips the MLM comparison, classify["steps"] = 0 the fine-tuning one. The runs go to two
+    processes of one thread each (this one and a worker, see split_jobs): about half the time on 2 cores."""
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, dict]] = {"train.py": {}, "Trainer": {}}
+    hyper = {"mlm": mlm, "classify": classify}
+    data = {kind: str(prepare_data(out / "data", sample_dir, kind, h)) for kind, h in hyper.items() if h["steps"]}
+    jobs = plan_jobs(seeds, controls, control_seeds, hyper)
+    for job in jobs:   # every start exists before the worker does: neither process writes what the other reads
+        start_of(job, out, hyper)
+    mine, theirs = split_jobs(jobs)
+    spec = out / "worker.json"
+    spec.write_text(json.dumps({"jobs": theirs, "out": str(out), "data": data, "hyper": hyper}))
+    with open(out / "worker.log", "w") as log:
+        worker = subprocess.Popen([sys.executable, __file__, "--worker", str(spec)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for job in mine:
+            run_job(job, out, data, hyper)
+        code = worker.wait()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    if code:
+        raise SystemExit(f"[quality] the worker failed ({code}):\n{(out / 'worker.log').read_text()[-3000:]}")
+    return score(jobs, out, data, hyper, seeds)
+
+
+def plan_jobs(seeds: list[int], controls: list[str], control_seeds: list[int] | None, hyper: dict) -> list[dict]:
+    """Per seed: train.py, the Trainer (on train.py's order), train.py under each control; MLM, then fine-tuning."""
+    jobs = []
     for seed in seeds:
-        for side in ("train.py", "Trainer"):
-            results[side][str(seed)] = {}
-        if mlm["steps"]:
-            runs = controls if control_seeds is None or seed in control_seeds else []
-            mlm_runs(out, prepare_data(out / "data", sample_dir, "mlm", mlm), seed, mlm, runs, results)
-        if classify["steps"]:
-            classify_runs(out, prepare_data(out / "data", sample_dir, "classify", classify), seed, classify, results)
-    report = {"seeds": seeds, "mlm": mlm, "classify": classify, "micro": MICRO, "accum": ACCUM, "results": results,
-              "majority_baseline": majority_baseline(out / "data" / f"classify-{classify['seq']}")
-              if classify["steps"] else None,
-              "verdicts": {v: verdict(results, v) for v in results if v != "Trainer"} if mlm["steps"] else {}}
+        if hyper["mlm"]["steps"]:
+            jobs += [{"side": "train.py", "kind": "mlm", "seed": seed}, {"side": "Trainer", "kind": "mlm", "seed": seed}]
+            if control_seeds is None or seed in control_seeds:
+                jobs += [{"side": "train.py", "kind": "mlm", "seed": seed, "control": c} for c in controls]
+        if hyper["classify"]["steps"]:
+            jobs += [{"side": "train.py", "kind": "classify", "seed": seed},
+                     {"side": "Trainer", "kind": "classify", "seed": seed}]
+    return jobs
+
+
+def split_jobs(jobs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(this process's, the worker's): train.py's own runs here first (the Trainer's wait for their order), the
+    Trainer's runs in the worker, the controls shared between the two, the worker's first."""
+    controls = [j for j in jobs if j.get("control")]
+    mine = [j for j in jobs if j["side"] == "train.py" and not j.get("control")] + controls[1::2]
+    return mine, [j for j in jobs if j["side"] == "Trainer"] + controls[0::2]
+
+
+def job_dir(job: dict, out: Path) -> Path:
+    side = "trainer" if job["side"] == "Trainer" else f"control-{job['control']}" if job.get("control") else "ours"
+    return out / f"{side}-{job['kind']}-{job['seed']}"
+
+
+def model_dir(job: dict, out: Path) -> Path:
+    return job_dir(job, out) / "model" if job["side"] == "train.py" else job_dir(job, out)
+
+
+def start_of(job: dict, out: Path, hyper: dict) -> Path:
+    """The seed's initial weights (MLM), or its classifier from the exported model (fine-tuning)."""
+    if job["kind"] == "mlm":
+        return initial_weights(out, job["seed"])
+    path = out / f"classify-init-{job['seed']}"
+    return path if (path / "config.json").exists() else classifier_start(Path(hyper["classify"]["tokenizer"]), out,
+                                                                         job["seed"])
+
+
+def run_job(job: dict, out: Path, data: dict, hyper: dict) -> None:
+    """One run. train.py's own run leaves its order (order-<kind>-<seed>.json); the Trainer's waits for it."""
+    kind, seed, h = job["kind"], job["seed"], hyper[job["kind"]]
+    start, prepared, order_file = start_of(job, out, hyper), Path(data[kind]), out / f"order-{kind}-{seed}.json"
+    what = job["side"] + (f", control {job['control']}" if job.get("control") else "")
+    print(f"[quality] seed {seed}: {what}, {h['steps']} {kind} steps", flush=True)
+    if job["side"] == "train.py":
+        order = run_train_py(kind, start, prepared, job_dir(job, out), seed, h, job.get("control"))
+        if not job.get("control"):
+            order_file.with_suffix(".partial").write_text(json.dumps(order))
+            os.replace(order_file.with_suffix(".partial"), order_file)
+        return
+    deadline = time.monotonic() + 3600
+    while not order_file.exists():   # train.py's run in the other process
+        if os.getppid() == 1 or time.monotonic() > deadline:
+            raise SystemExit(f"[quality] no {order_file}: train.py's run of seed {seed} did not finish")
+        time.sleep(0.5)
+    run_trainer(kind, start, prepared, job_dir(job, out), seed, h, json.loads(order_file.read_text()))
+
+
+def score(jobs: list[dict], out: Path, data: dict, hyper: dict, seeds: list[int]) -> dict:
+    """One evaluator for every model -> the report (written to out/quality.json)."""
+    results: dict[str, dict[str, dict]] = {"train.py": {}, "Trainer": {}}
+    for job in jobs:
+        variant = job["side"] + (f" {job['control']}" if job.get("control") else "")
+        metrics = results.setdefault(variant, {}).setdefault(str(job["seed"]), {})
+        if job["kind"] == "mlm":
+            metrics.update(evaluate_mlm(model_dir(job, out), Path(data["mlm"])))
+        else:
+            metrics["classify_accuracy"] = evaluate_classifier(model_dir(job, out), Path(data["classify"]))
+    report = {"seeds": seeds, **hyper, "micro": MICRO, "accum": ACCUM, "results": results,
+              "majority_baseline": majority_baseline(Path(data["classify"])) if "classify" in data else None,
+              "verdicts": {v: verdict(results, v) for v in results if v != "Trainer"} if "mlm" in data else {}}
     (out / "quality.json").write_text(json.dumps(report, indent=1))
     return report
 
 
-def mlm_runs(out: Path, prepared: Path, seed: int, mlm: dict, controls: list[str], results: dict) -> None:
-    """train.py, then the Trainer on its micro batches, then train.py under each control; each model scored."""
-    start = initial_weights(out, seed)
-    print(f"[quality] seed {seed}: train.py, {mlm['steps']} MLM steps", flush=True)
-    order = run_train_py("mlm", start, prepared, out / f"ours-{seed}", seed, mlm)
-    print(f"[quality] seed {seed}: the Trainer on the same {len(order)} micro batches", flush=True)
-    run_trainer("mlm", start, prepared, out / f"trainer-{seed}", seed, mlm, order)
-    results["train.py"][str(seed)].update(evaluate_mlm(out / f"ours-{seed}/model", prepared))
-    results["Trainer"][str(seed)].update(evaluate_mlm(out / f"trainer-{seed}", prepared))
-    for control in controls:
-        print(f"[quality] seed {seed}: train.py, control {control}", flush=True)
-        name = f"control-{control}"
-        run_train_py("mlm", start, prepared, out / f"{name}-{seed}", seed, mlm, control)
-        results.setdefault(f"train.py {control}", {})[str(seed)] = evaluate_mlm(out / f"{name}-{seed}/model", prepared)
-
-
-def classify_runs(out: Path, prepared: Path, seed: int, classify: dict, results: dict) -> None:
-    """Both sides fine-tune the same exported model (the demo's) with the same new head, on the same batches."""
-    start = classifier_start(Path(classify["tokenizer"]), out, seed)
-    print(f"[quality] seed {seed}: fine-tuning, {classify['steps']} steps each", flush=True)
-    order = run_train_py("classify", start, prepared, out / f"ours-classify-{seed}", seed, classify)
-    run_trainer("classify", start, prepared, out / f"trainer-classify-{seed}", seed, classify, order)
-    results["train.py"][str(seed)]["classify_accuracy"] = evaluate_classifier(out / f"ours-classify-{seed}/model",
-                                                                              prepared)
-    results["Trainer"][str(seed)]["classify_accuracy"] = evaluate_classifier(out / f"trainer-classify-{seed}", prepared)
+def worker(spec_path: str) -> None:
+    """The second process's jobs (compare)."""
+    spec = json.loads(Path(spec_path).read_text())
+    for job in spec["jobs"]:
+        run_job(job, Path(spec["out"]), spec["data"], spec["hyper"])
 
 
 def verdict(results: dict, variant: str = "train.py") -> dict:
@@ -354,6 +419,7 @@ def seed_list(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--seeds", default="1,2", help="1,2 or 1-6")
     parser.add_argument("--controls", default="", help=f"comma-separated, of {sorted(CONTROLS)}")
     parser.add_argument("--control-seeds", help="run the controls for these seeds only (default: every seed)")
@@ -361,9 +427,14 @@ def main(argv=None) -> int:
     parser.add_argument("--classify-steps", type=int, default=CLASSIFY["steps"])
     parser.add_argument("--classify-from", default=CLASSIFY["tokenizer"],
                         help="the exported MLM model both sides fine-tune (default: make demo's)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--sample-dir", default="data/sample")
     args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
     controls = [c for c in args.controls.split(",") if c]
     unknown = sorted(set(controls) - set(CONTROLS))
     if unknown:
