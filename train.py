@@ -53,6 +53,7 @@ from bert_recipes.optim import build_optimizer, build_scheduler, describe_decay,
 from bert_recipes.doctor.nvml import start_sampler
 from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table, rank_extremes,
                                start_profiler, utilisation_text)
+from bert_recipes.places import creating
 from bert_recipes.preflight import preflight, same_on_every_rank
 from bert_recipes.rank0 import on_nodes, on_rank0
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
@@ -188,8 +189,9 @@ def start_writing(run: Run, overwrite: bool, resume: str | None) -> None:
     """Rank 0 starts the output directory (the resolved config) and copies the tokenizer in; every rank
     agrees on it (guard.written_by_all): a full disk is one line, on every rank exit code 5."""
     def write():
-        start_output_dir(run.output_dir, run.config_yaml, overwrite, resume)
-        run.tokenizer.save_pretrained(run.output_dir / "tokenizer")
+        with creating("run.output_dir", run.output_dir):   # an OSError the checks could not foresee: one line
+            start_output_dir(run.output_dir, run.config_yaml, overwrite, resume)
+            run.tokenizer.save_pretrained(run.output_dir / "tokenizer")
     written_by_all(write if run.engine.is_main else lambda: None, run.engine.control, run.engine.is_main, lambda: None,
                    lambda err: disk_full(err, run.output_dir, "the run's config and tokenizer", run.state["step"], None,
                                          "nothing was trained: free space there, then run again"))

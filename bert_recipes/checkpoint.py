@@ -374,8 +374,10 @@ def check_shared_output_dir(output_dir: Path, engine) -> None:
     from .guard import all_max
     marker = output_dir.parent / f".{output_dir.name}.shared-check-{engine.broadcast(secrets.token_hex(8))}"
     if engine.is_main:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        from .places import creating
+        with creating("run.output_dir", output_dir):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
     engine.barrier()
     blind = int(all_max([float(not marker.exists())], engine.control)[0])
     engine.barrier()
