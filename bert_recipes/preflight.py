@@ -19,7 +19,8 @@ from pathlib import Path
 
 from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
-from .checkpoint import check_output_dir, check_resume_path, check_writable_dir, unwritable_default
+from .checkpoint import (check_checkpoint_fits, check_output_dir, check_resume_path, check_writable_dir,
+                         resumed_checkpoint, unwritable_default)
 from .config import Config, ConfigError, padded_batches, parse_train_args, path_kind, resolve, to_yaml, validate
 from .places import check_path_names
 from .sources import check_data_files, check_prepared_dir
@@ -101,6 +102,8 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
     check_path_names(cfg, ("write",))   # before anything is created: no parent directory made for nothing
     # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
     notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
+    # a checkpoint of another model shape: one line now, not torch's size mismatch after the data is prepared
+    check_checkpoint_fits(resumed_checkpoint(cfg.run.output_dir, cfg.checkpoint.resume), to_yaml(cfg))
     check_caches(cfg)
     return notes
 
