@@ -33,15 +33,15 @@ import torch  # noqa: E402 (after the command line's check)
 
 from bert_recipes.activations import Shape
 from bert_recipes.backends.plan import launch_plan_here
-from bert_recipes.checkpoint import (check_shared_output_dir, read_train_state, resolve_resume, resume_layout, run_layout,
-                                     save_checkpoint, saved_layout,
-                                     start_output_dir)
+from bert_recipes.checkpoint import (check_shared_output_dir, complete_checkpoints, read_train_state, resolve_resume,
+                                     resume_layout, run_layout, save_checkpoint, saved_layout, start_output_dir)
 from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
                                  schedule_warnings, to_dict, to_yaml, validate)
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.export import model_card, partial_export
-from bert_recipes.guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_TIMEOUT, DiskFull, Diverged, Preemption,
+from bert_recipes.guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TIMEOUT, INTERRUPTION, DiskFull,
+                                Diverged, Preemption,
                                 StepGuard, StopAgreement, disk_full, is_collective_timeout, leave, preempted_exit_code,
                                 written_by_all)
 from bert_recipes.interface import Engine, check_engine
@@ -128,6 +128,7 @@ def main(cfg: Config) -> dict:
             print0(changed)
 
     # -------------------------------------------------------------------- data
+    INTERRUPTION.at("data preparation")
     check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
     label_names = cfg.task.label_names
     tokenizer, data, collate, test_index = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path,
@@ -142,6 +143,7 @@ def main(cfg: Config) -> dict:
            f"tokens, vocab {len(tokenizer)}")
 
     # -------------------------------------------------------------------- model, optimizer, schedule
+    INTERRUPTION.at("building the model")
     steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
     module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
@@ -163,6 +165,7 @@ def main(cfg: Config) -> dict:
               4 * Shape.from_config(model_config, cfg.task.kind).params, backend, baseline, data, test_index)
 
     # -------------------------------------------------------------------- resume
+    INTERRUPTION.at("loading the checkpoint" if checkpoint is not None else "starting the output directory")
     if checkpoint is not None:
         engine.load(checkpoint)
         run.state = read_train_state(checkpoint)
@@ -373,7 +376,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
             name = signal.Signals(run.stop_signal).name
             halted.update(preempted=name, exit_code=preempted_exit_code(run.stop_signal))
             print0(f"[preempt] {name} received: every rank stopped after step {state['step']}/{run.total_steps}, "
-                   f"{saved}; exiting with code {halted['exit_code']}; continue with --resume auto")
+                   f"{saved}; exiting with code {halted['exit_code']}; continue"
+                   + (f" from {complete_checkpoints(run.output_dir)[-1]}" if saved == "checkpoint saved" else "")
+                   + " with --resume auto")
         else:
             print0(f"[halt] stopped at step {state['step']}/{run.total_steps} as train.halt_at_step asks; "
                    f"{saved}, continue with --resume auto")
@@ -439,9 +444,10 @@ def export(run: Run, card: str) -> Path:
 def run_cli(argv: list[str] | None = None) -> int:
     """train.py's exit codes: 0 done (or halted at train.halt_at_step), 2 a config or input error,
     3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 5 a disk full, 128 + signal
-    when preempted (143 SIGTERM, 138 SIGUSR1). Messages for 2-4 come once, from rank 0 (4: from
-    the rank that saw it), without a traceback."""
+    when preempted (143 SIGTERM, 138 SIGUSR1, 130 SIGINT: Ctrl-C, also before the loop). Messages for 2-4 come
+    once, from rank 0 (4: from the rank that saw it), without a traceback."""
     rank, cfg = int(os.environ.get("RANK", "0")), Config()
+    INTERRUPTION.install()   # a Ctrl-C outside the loop: one line, exit 130 (in the loop: a stop signal, saved)
     try:
         cfg, print_only = parse_train_args(argv)
         if print_only:
@@ -459,7 +465,11 @@ def run_cli(argv: list[str] | None = None) -> int:
         if str(e):
             print(str(e), file=sys.stderr)
         return EXIT_DISK_FULL
+    except KeyboardInterrupt:
+        return interrupted(rank, cfg)
     except (RuntimeError, TimeoutError) as e:
+        if INTERRUPTION.received:   # a peer left on the same Ctrl-C: gloo's error is the interruption's
+            return interrupted(rank, cfg)
         if not is_collective_timeout(e):
             raise
         print(f"[rank {rank}] a collective gave up: {first_line(e)}. A rank is stuck or was lost: every collective "
@@ -467,6 +477,15 @@ def run_cli(argv: list[str] | None = None) -> int:
               f"data.prepare_timeout_s={cfg.data.prepare_timeout_s:g}s). Check the other ranks' logs and their nodes; "
               "continue with --resume auto", file=sys.stderr)
         return EXIT_TIMEOUT
+
+
+def interrupted(rank: int, cfg: Config) -> int:
+    """A Ctrl-C outside the loop: one line, from rank 0 (guard.Interruption), and exit code 130 on every rank.
+    What was being written is a .partial or a library's temporary file, so the same command runs again."""
+    if rank == 0:
+        # on a line of its own: a progress bar the Ctrl-C cut off has not ended its line
+        print("\n" + INTERRUPTION.line(cfg.run.output_dir, cfg.checkpoint.resume), file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

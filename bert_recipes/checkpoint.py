@@ -318,7 +318,8 @@ def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
         return
     old, new = (yaml.safe_load(text) or {} for text in ((Path(checkpoint) / CONFIG_FILE).read_text(), config_yaml))
     value = lambda d, key: (d.get(key.split(".")[0]) or {}).get(key.split(".")[1])   # noqa: E731
-    trained_here = lambda d: value(d, "tokenizer.name_or_path") is None and value(d, "model.name_or_path") is None  # noqa: E731
+    trained_here = lambda d: (value(d, "tokenizer.name_or_path") is None   # noqa: E731
+                              and value(d, "model.name_or_path") is None)
     keys = [k for k in SHAPE_KEYS if k != "tokenizer.vocab_size" or trained_here(old) and trained_here(new)]
     differ = [f"{k}: {value(old, k)!r} in the checkpoint, {value(new, k)!r} now" for k in keys
               if value(old, k) != value(new, k)]
