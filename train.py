@@ -32,6 +32,7 @@ if __name__ == "__main__":   # a mistake in the recipe or its overrides: one lin
 import torch  # noqa: E402 (after the command line's check)
 
 from bert_recipes.activations import Shape
+from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
 from bert_recipes.backends.plan import launch_plan_here
 from bert_recipes.checkpoint import (check_shared_output_dir, complete_checkpoints, read_train_state, resolve_resume,
                                      resume_layout, run_layout, save_checkpoint, saved_layout, start_output_dir)
@@ -106,6 +107,7 @@ def main(cfg: Config) -> dict:
     config_yaml = to_yaml(cfg)
 
     # -------------------------------------------------------------------- engine
+    settle_before_ranks_load(plan)   # a DeepSpeed op build cut off earlier: one line, never a silent wait
     # Building the engine starts the process group and compares the recipe with the plan.
     engine = build_engine(plan, output_dir, train=cfg.train, data=cfg.data, optim=cfg.optim, task=cfg.task,
                           logging=cfg.logging, seed=cfg.run.seed)
