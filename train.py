@@ -24,7 +24,7 @@ from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads + DataLoader forks deadlock
 
-from bert_recipes.cli import check_command_line, say_config_error
+from bert_recipes.cli import check_command_line
 
 if __name__ == "__main__":   # a mistake in the recipe or its overrides: one line now, not after torch loads (~5 s)
     check_command_line(sys.argv[1:])
@@ -36,15 +36,12 @@ from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
 from bert_recipes.backends.plan import launch_plan_here
 from bert_recipes.checkpoint import (check_shared_output_dir, complete_checkpoints, read_train_state, resolve_resume,
                                      resume_layout, run_layout, save_checkpoint, saved_layout, start_output_dir)
-from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
-                                 schedule_warnings, to_dict, to_yaml, validate)
+from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.export import model_card, partial_export
-from bert_recipes.guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TIMEOUT, INTERRUPTION, DiskFull,
-                                Diverged, Preemption,
-                                StepGuard, StopAgreement, disk_full, is_collective_timeout, leave, preempted_exit_code,
-                                written_by_all)
+from bert_recipes.guard import (INTERRUPTION, Preemption, StepGuard, StopAgreement, disk_full, leave,
+                                preempted_exit_code, written_by_all)
 from bert_recipes.interface import Engine, check_engine
 from bert_recipes.logs import Throughput, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
@@ -444,50 +441,9 @@ def export(run: Run, card: str) -> Path:
 
 
 def run_cli(argv: list[str] | None = None) -> int:
-    """train.py's exit codes: 0 done (or halted at train.halt_at_step), 2 a config or input error,
-    3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 5 a disk full, 128 + signal
-    when preempted (143 SIGTERM, 138 SIGUSR1, 130 SIGINT: Ctrl-C, also before the loop). Messages for 2-4 come
-    once, from rank 0 (4: from the rank that saw it), without a traceback."""
-    rank, cfg = int(os.environ.get("RANK", "0")), Config()
-    INTERRUPTION.install()   # a Ctrl-C outside the loop: one line, exit 130 (in the loop: a stop signal, saved)
-    try:
-        cfg, print_only = parse_train_args(argv)
-        if print_only:
-            validate(cfg)
-            print(to_yaml(cfg), end="")
-            return 0
-        return main(cfg).get("exit_code", 0)
-    except ConfigError as e:   # once, from rank 0 (and the first rank of every other node)
-        return say_config_error(e)
-    except Diverged as e:
-        if rank == 0:
-            print(str(e), file=sys.stderr)
-        return EXIT_DIVERGED
-    except DiskFull as e:   # once, from the rank whose write ran out of space (the others raise it silent)
-        if str(e):
-            print(str(e), file=sys.stderr)
-        return EXIT_DISK_FULL
-    except KeyboardInterrupt:
-        return interrupted(rank, cfg)
-    except (RuntimeError, TimeoutError) as e:
-        if INTERRUPTION.received:   # a peer left on the same Ctrl-C: gloo's error is the interruption's
-            return interrupted(rank, cfg)
-        if not is_collective_timeout(e):
-            raise
-        print(f"[rank {rank}] a collective gave up: {first_line(e)}. A rank is stuck or was lost: every collective "
-              f"waits at most train.collective_timeout_s={cfg.train.collective_timeout_s:g}s (data preparation at most "
-              f"data.prepare_timeout_s={cfg.data.prepare_timeout_s:g}s). Check the other ranks' logs and their nodes; "
-              "continue with --resume auto", file=sys.stderr)
-        return EXIT_TIMEOUT
-
-
-def interrupted(rank: int, cfg: Config) -> int:
-    """A Ctrl-C outside the loop: one line, from rank 0 (guard.Interruption), and exit code 130 on every rank.
-    What was being written is a .partial or a library's temporary file, so the same command runs again."""
-    if rank == 0:
-        # on a line of its own: a progress bar the Ctrl-C cut off has not ended its line
-        print("\n" + INTERRUPTION.line(cfg.run.output_dir, cfg.checkpoint.resume), file=sys.stderr, flush=True)
-    return EXIT_INTERRUPTED
+    """train.py's command line: main, and its exit codes with their one-line messages (cli.run_train)."""
+    from bert_recipes.cli import run_train
+    return run_train(argv, main)
 
 
 if __name__ == "__main__":

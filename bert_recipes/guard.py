@@ -273,6 +273,7 @@ class Interruption:
         raise KeyboardInterrupt
 
     def install(self):
+        self.stage, self.received = "start-up", False   # a new run (tests run several in one process)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._handler)
         return self
