@@ -304,9 +304,11 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
 # What gives a model's tensors their shapes: a checkpoint written under other values cannot be loaded into this
 # run's model (torch's size mismatch, after the data was prepared). The vocabulary size counts only for a
 # tokenizer trained here; the dropouts, the attention implementation and the rest do not change a shape.
+# Not tokenizer.name_or_path: a resume may name the run's own saved tokenizer (<output_dir>/tokenizer) where the
+# first run trained it, the same vocabulary under another path (tools/gpu_smoke.py's resume does).
 SHAPE_KEYS = ("model.name_or_path", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
-              "model.intermediate_size", "model.max_position_embeddings", "tokenizer.name_or_path",
-              "tokenizer.vocab_size", "task.kind", "task.num_labels")
+              "model.intermediate_size", "model.max_position_embeddings", "tokenizer.vocab_size", "task.kind",
+              "task.num_labels")
 
 
 def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
