@@ -1,6 +1,6 @@
 """Does train.py learn what transformers' Trainer learns? Paired seeds, like for like, with positive controls.
 
-    python tools/quality.py --seeds 1,2 --controls quarter-lr,half-labels --control-seeds 1 --out /tmp/q   # the suite's
+    python tools/quality.py --seeds 1 --controls quarter-lr,half-labels --out /tmp/q                      # the suite's
     python tools/quality.py --seeds 1-3 --controls quarter-lr,half-labels --classify-steps 256 --out /tmp/q  # make bench's
 
 For each seed, both sides train the tiny BERT (hidden 64, 2 layers, vocabulary 1,000, sequence 64) on the
