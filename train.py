@@ -41,20 +41,24 @@ from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, opt
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.export import model_card, partial_export
+from bert_recipes.backends.deepspeed import deepspeed_step
+from bert_recipes.backends.fsdp import plain_norm
 from bert_recipes.guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_TIMEOUT, DiskFull, Diverged, Preemption,
-                                StepGuard, StopAgreement, disk_full, is_collective_timeout, leave, preempted_exit_code,
-                                written_by_all)
-from bert_recipes.interface import Engine, check_engine
-from bert_recipes.logs import Throughput, plot_curves, write_metrics
+                                StepGuard, StopAgreement, disk_full, is_collective_timeout, leave, on_any_rank,
+                                preempted_exit_code, written_by_all)
+from bert_recipes.interface import Engine
+from bert_recipes.logs import Throughput, Trackers, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
-from bert_recipes.optim import build_optimizer, build_scheduler, describe_decay, schedule_change
+from bert_recipes.optim import build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if
 from bert_recipes.doctor.nvml import start_sampler
 from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table, rank_extremes,
                                start_profiler, utilisation_text)
+from bert_recipes.pipeline import train_batch
 from bert_recipes.preflight import preflight, same_on_every_rank
 from bert_recipes.rank0 import on_nodes, on_rank0
+from bert_recipes.ranks import all_sum, broadcast, print0
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
 from bert_recipes.trial import confirm_micro_batch
 
@@ -81,6 +85,7 @@ class Run:
     baseline: float | None    # majority-class accuracy on the eval set
     data: Any                 # the tokenized splits: train, eval, eval:<split>, test:<split>
     test_index: dict          # each test split's example ids, for the predictions file
+    trackers: Trackers        # logging.trackers, opened on rank 0 (bert_recipes/logs.py)
     state: dict = field(default_factory=lambda: {"step": 0, "history": {"train": [], "eval": []}})
     preemption: Preemption = field(default_factory=Preemption)
     stop_signal: int = 0           # the signal every rank agreed to stop on (0: none)
@@ -107,16 +112,15 @@ def main(cfg: Config) -> dict:
     # -------------------------------------------------------------------- engine
     # Building the engine starts the process group and compares the recipe with the plan.
     engine = build_engine(plan, output_dir, train=cfg.train, data=cfg.data, optim=cfg.optim, task=cfg.task,
-                          logging=cfg.logging, seed=cfg.run.seed)
+                          seed=cfg.run.seed)
     if auto_micro_batch:   # each rank sized it from its own GPU: a trial step confirms it there, all ranks agree
         confirm_micro_batch(cfg, plan, engine)
-    print0 = engine.print0
     set_seed(cfg.run.seed)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
            f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
     check_shared_output_dir(output_dir, engine)
     # Rank 0 picks the checkpoint and tells the others: ranks may see the disk at different times.
-    checkpoint, resume_notes = on_rank0(engine.is_main, engine.broadcast,
+    checkpoint, resume_notes = on_rank0(engine.is_main, broadcast,
                                         lambda: resolve_resume(cfg.checkpoint.resume, output_dir))
     for note in notes + resume_notes:
         print0(note)
@@ -131,7 +135,7 @@ def main(cfg: Config) -> dict:
     label_names = cfg.task.label_names
     tokenizer, data, collate, test_index = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path,
                                                         cfg.run.seed, output_dir, engine.is_main, engine.prep_barrier,
-                                                        engine.fixed_length, engine.broadcast,
+                                                        engine.fixed_length, broadcast,
                                                         on_nodes(engine.is_local_main, engine.num_processes))
     if cfg.task.label_names != label_names:   # text labels, sorted: now part of the run's config
         config_yaml = to_yaml(cfg)
@@ -151,15 +155,18 @@ def main(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------- prepare
     engine.prepare(module, optimizer, scheduler, data, collate)
-    check_engine(engine)   # every member of the interface exists now (bert_recipes/interface.py)
     backend, memory_plan, flops_token, peak = describe_run(cfg, plan, engine, model_config)
     baseline = None
     if cfg.task.kind == "classification" and cfg.task.num_labels > 1:
         baseline = majority_baseline(data["train"]["labels"], data["eval"]["labels"])
-    run = Run(cfg, engine, output_dir, config_yaml, tokenizer, collate, len(data["eval"]), steps_per_epoch,
-              total_steps, min(total_steps, cfg.train.halt_at_step or total_steps), flops_token, peak,
-              memory_plan.peak / 1e9 if memory_plan is not None else float("nan"),
-              4 * Shape.from_config(model_config, cfg.task.kind).params, backend, baseline, data, test_index)
+    run = Run(cfg=cfg, engine=engine, output_dir=output_dir, config_yaml=config_yaml, tokenizer=tokenizer,
+              collate=collate, eval_dataset_size=len(data["eval"]), steps_per_epoch=steps_per_epoch,
+              total_steps=total_steps, stop_at=min(total_steps, cfg.train.halt_at_step or total_steps),
+              flops_per_token=flops_token, peak_flops=peak,
+              predicted_peak_gb=memory_plan.peak / 1e9 if memory_plan is not None else float("nan"),
+              export_bytes=4 * Shape.from_config(model_config, cfg.task.kind).params, backend=backend,
+              baseline=baseline, data=data, test_index=test_index,
+              trackers=Trackers(cfg.logging.trackers, engine.is_main, output_dir / "logs"))
 
     # -------------------------------------------------------------------- resume
     if checkpoint is not None:
@@ -173,7 +180,7 @@ def main(cfg: Config) -> dict:
     start_writing(run, cfg.run.overwrite, cfg.checkpoint.resume)   # every check has passed
     # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
     run.state["trackers"] = {**run.state.get("trackers", {}),
-                             **engine.start_trackers(cfg.run.name, flat_dict(cfg), run.state.get("trackers"))}
+                             **run.trackers.start(cfg.run.name, flat_dict(cfg), run.state.get("trackers"))}
 
     # -------------------------------------------------------------------- loop, save
     run.preemption.install()   # from here a SIGTERM / SIGUSR1 means: finish the step, save, exit
@@ -200,9 +207,9 @@ def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: in
     `total_steps`. -> (module, optimizer, scheduler, the model's config)."""
     model = build_model(cfg.model, cfg.task, tokenizer, packed_dropout=plan.packed_dropout)
     model_config = model.config
-    engine.print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
+    print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
     if getattr(model, "loading_report", None):
-        engine.print0(model.loading_report)
+        print0(model.loading_report)
     module = engine.wrap(model)   # the pipeline cuts it into stages; Accelerate keeps it whole
     # (a DeepSpeed JSON with an optimizer block replaces this one: then no CPU Adam is built for nothing)
     optimizer = build_optimizer(module, cfg.optim, offloaded=plan.offloads_optimizer and "optimizer" not in plan.ds_config)
@@ -213,17 +220,53 @@ def describe_run(cfg: Config, plan, engine: Engine, model_config):
     """The [backend], [memory] and [mfu] lines: what engaged, the planner's prediction, MFU's terms.
     -> (engine.describe(), the memory plan or None, FLOPs per token, one device's peak FLOP/s)."""
     backend = engine.describe()
-    engine.print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
+    print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
     memory_plan = predict_run(cfg, model_config, plan, engine.num_processes, engine.device.type, engine.accum)
     if memory_plan is not None:
-        engine.print0(f"[memory] predicted per device ({plan.name}; all backends: make memory): "
+        print0(f"[memory] predicted per device ({plan.name}; all backends: make memory): "
                       + describe_plan(memory_plan))
     mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
     flops_token = flops_per_token(model_config, cfg.data.max_seq_length, mlm_fraction)
     peak, peak_source = peak_flops(engine.device, cfg.train.mixed_precision, cfg.train.tf32)
-    engine.print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
+    print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
                   f"({peak_source}); MFU counts every device" + (", idle pipeline bubbles included" if plan.pipeline else ""))
     return backend, memory_plan, flops_token, peak
+
+
+# ----------------------------------------------------------------------------- the step
+def train_step(run: Run, batches) -> tuple:
+    """One optimizer step: `accum` micro batches, clip, step, schedule, in Accelerate's idiom. A step whose loss
+    (on any rank) or gradient norm is not finite updates nothing, decided on the device (optim.skip_update_if).
+    -> (mean loss, grad norm, skipped, fp16 overflow): device tensors the host has not waited for (DeepSpeed and
+    the pipeline decide their skips on the host, inside their own steps)."""
+    engine = run.engine
+    if engine.plan.pipeline:   # DeepSpeed's pipeline engine runs the micro batches, clips, steps and schedules
+        return train_batch(engine.engine, batches)
+    a, model, optimizer = engine.accelerator, engine.model, engine.optimizer
+    losses = []
+    for _ in range(engine.accum):
+        with a.accumulate(model):   # syncs gradients on the last micro batch only
+            loss = model(**next(batches)).loss
+            a.backward(loss)        # DeepSpeed clips and steps inside, on the last micro batch
+        losses.append(loss.detach())
+    assert a.sync_gradients, "the loop and Accelerate disagree on the accumulation boundary"
+    loss = torch.stack(losses).float().mean()
+    if engine.plan.deepspeed:   # DeepSpeed clipped and stepped, or skipped a non-finite step (its overflow check)
+        grad_norm, skipped = deepspeed_step(a, model)
+        if not skipped:         # as DeepSpeed's own schedules (and the Trainer) do
+            engine.scheduler.step()
+        return loss, grad_norm, skipped, False
+    max_norm = run.cfg.optim.max_grad_norm or float("inf")   # inf: measure the norm, never clip
+    grad_norm = plain_norm(a.clip_grad_norm_(model.parameters(), max_norm))   # fp16: unscales first
+    loss_bad = on_any_rank(~torch.isfinite(loss))
+    skipped = loss_bad | ~torch.isfinite(grad_norm)   # the norm is global: the same on every rank
+    if skip_update_if(optimizer, a.scaler, skipped):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    # The schedule advances every step, applied or skipped: the host does not know which (the lr of
+    # step n is the schedule's, whatever earlier steps did; a skipped step's lr goes unused).
+    engine.scheduler.step()
+    return loss, grad_norm, skipped, (skipped & ~loss_bad) if a.scaler is not None else False
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -237,7 +280,7 @@ def train(run: Run) -> None:
     cfg, engine, state = run.cfg, run.engine, run.state
     meter = Throughput(engine.counts_data, cfg.logging.step_times, engine.on_gpu, run.batch_shapes)
     watch = DataLoaderWatch(cfg.logging.dataloader_warn_share)
-    profiler = start_profiler(run.output_dir, engine.on_gpu, engine.print0) if cfg.logging.profile else None
+    profiler = start_profiler(run.output_dir, engine.on_gpu, print0) if cfg.logging.profile else None
     bar = tqdm(total=run.total_steps, initial=state["step"], desc="train", dynamic_ncols=True,
                disable=not (engine.is_local_main and cfg.logging.progress_bar))
     run.guard = StepGuard(cfg.train.max_bad_steps, state.get("skipped_steps", 0))
@@ -246,7 +289,7 @@ def train(run: Run) -> None:
     if engine.on_gpu and cfg.logging.gpu_sampler:   # NVML in a thread: no host wait in the step
         run.sampler, note = start_sampler(engine.device)
         if note:
-            engine.print0(note)
+            print0(note)
     if engine.on_gpu:   # peak memory of training, not of loading and preparing
         torch.cuda.reset_peak_memory_stats()
     while state["step"] < run.stop_at and not run.stop_signal:
@@ -255,7 +298,7 @@ def train(run: Run) -> None:
         batches = meter.feed(engine.batches(epoch, skip=done * engine.accum))
         for _ in range(run.steps_per_epoch - done):
             with audit or contextlib.nullcontext():
-                loss, grad_norm, skipped, overflow = engine.train_step(batches)
+                loss, grad_norm, skipped, overflow = train_step(run, batches)
                 run.guard.add(state["step"] + 1, loss, grad_norm, skipped, overflow)
                 meter.add_step(loss)
                 # a stop signal any rank got, agreed one or two steps later without waiting (guard.StopAgreement)
@@ -267,7 +310,7 @@ def train(run: Run) -> None:
             step = state["step"]
             if step % cfg.logging.log_every == 0 or step == run.total_steps:
                 check_guard(run)
-                row = log_step(run, meter.read(engine.all_sum, engine.device), grad_norm, watch)
+                row = log_step(run, meter.read(all_sum, engine.device), grad_norm, watch)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             t_aside = time.perf_counter()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < run.total_steps \
@@ -285,7 +328,7 @@ def train(run: Run) -> None:
     bar.close()
     if profiler is not None:
         profiler.stop()
-        engine.print0(profile_table(profiler, run.output_dir, engine.on_gpu))
+        print0(profile_table(profiler, run.output_dir, engine.on_gpu))
 
 
 def check_guard(run: Run) -> None:
@@ -294,7 +337,7 @@ def check_guard(run: Run) -> None:
     note = run.guard.check(run.state["step"], run.engine.lr())
     run.state["skipped_steps"] = run.guard.skipped_total
     if note:
-        run.engine.print0(note)
+        print0(note)
 
 
 def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
@@ -314,14 +357,14 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
                              torch.cuda.max_memory_allocated() / 1e9 if engine.on_gpu else None, engine.control))
     _, warning = watch.verdict(row["data_wait_worst"], row["window_steps"], row["window_s"], row.get("gpu_busy_least_rank"))
     if warning:
-        engine.print0(warning)
+        print0(warning)
     memory = ""
     if engine.on_gpu:
         memory = f" peak mem {row['peak_memory_gb']:.2f} GB (max over ranks; predicted {run.predicted_peak_gb:.2f})"
     run.state["tokens_seen"] = run.state.get("tokens_seen", 0) + int(row["window_tokens"])
     run.state["history"]["train"].append(row)
-    engine.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step)
-    engine.print0(f"[train] step {step}/{run.total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
+    run.trackers.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step)
+    print0(f"[train] step {step}/{run.total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
                   f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
                   f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
                   f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
@@ -334,10 +377,10 @@ def run_eval(run: Run) -> dict:
     """Evaluate now; keep the state apart when checkpoint.metric_for_best improved."""
     metrics = {"step": run.state["step"], **eval_metrics(run.cfg.task, run.engine.evaluate())}
     run.state["history"]["eval"].append(metrics)
-    run.engine.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, metrics["step"])
+    run.trackers.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, metrics["step"])
     shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     baseline = f" (majority baseline accuracy {run.baseline:.4f})" if run.baseline is not None else ""
-    run.engine.print0(f"[eval] {shown}{baseline}")
+    print0(f"[eval] {shown}{baseline}")
     if run.guard is not None:
         check_guard(run)
     if not (run.guard is not None and run.guard.streak):   # a diverging state is never the best
@@ -352,7 +395,7 @@ def checkpoint_now(run: Run) -> bool:
     if run.guard is not None:
         check_guard(run)
     if run.guard is not None and run.guard.streak:
-        engine.print0(f"[checkpoint] not saved at step {run.state['step']}: the last {run.guard.streak} steps were "
+        print0(f"[checkpoint] not saved at step {run.state['step']}: the last {run.guard.streak} steps were "
                       "not finite; the previous checkpoint stays the latest")
         return False
     save_checkpoint(run.output_dir, run.state["step"], run.state, run.config_yaml, run.cfg.checkpoint.keep_last, engine)
@@ -363,7 +406,7 @@ def checkpoint_now(run: Run) -> bool:
 def finish(run: Run, wall_time_s: float) -> dict:
     """Halted: a checkpoint to resume from. Done: the last evaluation, a checkpoint, the export,
     metrics.json, curves.png and the summary lines."""
-    cfg, engine, state, print0 = run.cfg, run.engine, run.state, run.engine.print0
+    cfg, engine, state = run.cfg, run.engine, run.state
     if state["step"] < run.total_steps:   # halted or preempted: save and leave the rest to --resume auto
         saved = "checkpoint saved" if checkpoint_now(run) else "no checkpoint (the last steps were not finite)"
         halted = {"steps": state["step"], "halted": True}
@@ -377,6 +420,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
                    f"{saved}, continue with --resume auto")
         if engine.is_main:
             write_metrics(run.output_dir / "metrics.json", halted, state["history"], {"config": flat_dict(cfg)})
+        run.trackers.finish()
         engine.finish()
         return halted
     evals = state["history"]["eval"]
@@ -408,7 +452,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
         export_dir = export(run, card)
         print0(f"[export] Hugging Face model (fp32) + tokenizer + model card -> {export_dir}")
         if cfg.checkpoint.push_to_hub and engine.is_main:
-            push_to_hub(cfg.checkpoint, cfg.run.name, export_dir, print0)
+            push_to_hub(cfg.checkpoint, cfg.run.name, export_dir)
     if engine.is_main:
         write_metrics(run.output_dir / "metrics.json", final, state["history"], {"config": flat_dict(cfg)})
         if cfg.logging.plot:
@@ -418,6 +462,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
                + ", ".join(f"{gb:.2f} GB" for gb in final["peak_memory_gb_per_rank"]) + f"; predicted {predicted:.2f} GB")
     print0(f"[done] {state['step']} steps in {wall_time_s:.0f}s; metrics.json, curves.png and "
            f"TensorBoard logs in {run.output_dir}")
+    run.trackers.finish()
     engine.finish()
     return final
 

@@ -18,6 +18,7 @@ import zlib
 from pathlib import Path
 
 from .config import ConfigError, nearest_existing, path_kind, predated_rules
+from .ranks import barrier, broadcast
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "train_state.json"
@@ -372,13 +373,13 @@ def check_shared_output_dir(output_dir: Path, engine) -> None:
     import secrets
 
     from .guard import all_max
-    marker = output_dir.parent / f".{output_dir.name}.shared-check-{engine.broadcast(secrets.token_hex(8))}"
+    marker = output_dir.parent / f".{output_dir.name}.shared-check-{broadcast(secrets.token_hex(8))}"
     if engine.is_main:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
-    engine.barrier()
+    barrier()
     blind = int(all_max([float(not marker.exists())], engine.control)[0])
-    engine.barrier()
+    barrier()
     if engine.is_main:
         marker.unlink()
     if blind:

@@ -13,29 +13,29 @@ from pathlib import Path
 
 import torch
 
-from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, rank_checksums, set_kernels
-from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, deepspeed_step, saved_meeting_the_barrier,
-                                 zero3_keeps_model_dtype)
+from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, set_kernels
+from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, saved_meeting_the_barrier, zero3_keeps_model_dtype
 from .backends.deepspeed_universal import resharded
 from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
-from .config import DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
+from .config import DataConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import export_model
-from .guard import control_group, on_any_rank, slow_barrier
-from .logs import Trackers
+from .guard import control_group, slow_barrier
 from .metrics import joined_rows
 from .modeling import batch_rows, predictions
 from .optim import build_scheduler, resume_schedule
 from .perf import peak_memory_gb
+from .ranks import all_sum, barrier, broadcast, print0
 
 
 def build_engine(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data: DataConfig, optim: OptimConfig,
-                 task: TaskConfig, logging: LoggingConfig, seed: int):
+                 task: TaskConfig, seed: int):
     """The pipeline engine when the DeepSpeed JSON has a `pipeline` section (Accelerate has no
     pipeline parallelism for training); Accelerate for everything else. Each engine takes the sections it
     reads: train (batches, timeouts, compile), data (loaders, length bins), optim (clipping, a DeepSpeed
-    JSON's autos), task (evaluation rows), logging (trackers) and the seed (the sampler's order)."""
-    sections = dict(train=train, data=data, optim=optim, task=task, logging=logging, seed=seed)
+    JSON's autos), task (evaluation rows) and the seed (the sampler's order). train.py owns the step
+    (train_step), the trackers and the output (bert_recipes/ranks.py): an engine keeps what differs."""
+    sections = dict(train=train, data=data, optim=optim, task=task, seed=seed)
     if plan.pipeline:
         from .pipeline import PipelineEngine
         return PipelineEngine(plan, output_dir, **sections)
@@ -50,28 +50,6 @@ def eager_under_compile(compiled: bool):
     return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
-def skip_update_if(optimizer, scaler, skipped) -> bool:
-    """Make this step's update a no-op where `skipped` (a bool tensor on the device) is true, without
-    the host reading it. -> whether to call optimizer.step() at all.
-
-    fp16: the loss scaler skips overflowing gradients itself; a non-finite loss is added to what it
-    found, so both take the same road (the scaler hands found_inf to a fused optimizer). Otherwise the
-    optimizer under Accelerate's wrapper takes it as `found_inf`: torch's fused AdamW (optim.fused, the
-    default) and the recipe's LAMB. Other kernels cannot (optim.fused=false, the foreach AdamW): there the
-    host reads the flag, one wait per step."""
-    from .optim import Lamb
-    inner = optimizer.optimizer   # Accelerate's AcceleratedOptimizer wraps the torch optimizer
-    if scaler is not None:
-        found = scaler._per_optimizer_states[id(inner)].get("found_inf_per_device", {})
-        for value in found.values():   # 0 or 1: the fused kernels skip on exactly 1
-            torch.maximum(value, skipped.to(value), out=value)
-        return True
-    if getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, Lamb):
-        inner.found_inf = skipped.float()
-        return True
-    return not bool(skipped)   # a host wait: this kernel has no found_inf
-
-
 class AccelerateEngine:
     """DDP, ZeRO-1/2/3 (+ CPU/NVMe offload) and FSDP2: whichever the launch config names.
     Creating it starts the process group and checks the recipe against the launch config."""
@@ -80,12 +58,11 @@ class AccelerateEngine:
     fixed_length = None      # dynamic padding
 
     def __init__(self, plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data: DataConfig,
-                 optim: OptimConfig, task: TaskConfig, logging: LoggingConfig, seed: int):
+                 optim: OptimConfig, task: TaskConfig, seed: int):
         self.plan, self.name = plan, plan.name
         self.train_cfg, self.data_cfg, self.optim_cfg, self.task, self.seed = train, data, optim, task, seed
         self.accum, self.on_gpu = plan.accum, plan.on_gpu   # resolved once (backends.consistency.resolve_run)
-        self.accelerator = build_accelerator(plan, output_dir, train=train, optim=optim, trackers=logging.trackers,
-                                             pin_memory=data.pin_memory)
+        self.accelerator = build_accelerator(plan, output_dir, train=train, optim=optim, pin_memory=data.pin_memory)
         kernels = set_kernels(plan)
         a = self.accelerator
         self.control = control_group(train.collective_timeout_s)
@@ -93,10 +70,9 @@ class AccelerateEngine:
         self.is_main, self.is_local_main = a.is_main_process, a.is_local_main_process
         self.num_processes = self.replicas = a.num_processes
         self.device = a.device
-        self.trackers = Trackers(logging.trackers, self.is_main, output_dir / "logs")
         self.set_accumulation(self.accum)
         if kernels:
-            self.print0(kernels)
+            print0(kernels)
 
     def set_accumulation(self, accum: int):
         """The accumulation, and the setup line that shows it; again when train.micro_batch_size=auto's trial
@@ -107,35 +83,12 @@ class AccelerateEngine:
                            f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x "
                            f"accum {accum} x world {a.num_processes}")
 
-    # ------------------------------------------------------------ communication and output
-    def print0(self, *args):
-        if self.is_main:   # global rank 0 (Accelerate's own print is per node)
-            print(*args, flush=True)
-
-    def barrier(self):
-        self.accelerator.wait_for_everyone()
-
-    def broadcast(self, obj):
-        """Rank 0's `obj` on every rank."""
-        from accelerate.utils import broadcast_object_list
-        return broadcast_object_list([obj])[0]
-
-    def all_sum(self, tensor):
-        return self.accelerator.reduce(tensor, reduction="sum")
-
-    def start_trackers(self, run_name: str, config: dict, ids: dict | None = None) -> dict:
-        return self.trackers.start(run_name, config, ids)
-
-    def log(self, values: dict, step: int):
-        self.trackers.log(values, step)
-
     def finish(self):
         if self.accelerator.swap_dirs:   # ZeRO NVMe offload: once every rank is done with its swap files,
-            self.barrier()                  # one rank a node (an NVMe is node-local) clears them
+            barrier()                       # one rank a node (an NVMe is node-local) clears them
             if self.is_local_main:
                 for path in self.accelerator.swap_dirs:
                     shutil.rmtree(path, ignore_errors=True)
-        self.trackers.finish()
         self.accelerator.end_training()
 
     # ------------------------------------------------------------ setup
@@ -152,7 +105,7 @@ class AccelerateEngine:
         if not self.on_gpu:   # lengths rounded up to a multiple of 8 feed tensor cores; on a CPU it is only padding
             collate.pad_to_multiple_of = None
         kwargs = loader_kwargs(d, collate, self.seed, pin=self.plan.pin_memory)
-        lengths = fit_length_bins(collate, data, d.length_bins if self.plan.padded else 0, self.print0)
+        lengths = fit_length_bins(collate, data, d.length_bins if self.plan.padded else 0, print0)
         if d.group_by_length:   # batches of similar length (data.LengthGroupedBatches)
             lengths = lengths or sequence_lengths(data["train"])
             batches = LengthGroupedBatches(lengths, t.micro_batch_size, self.seed,
@@ -169,7 +122,7 @@ class AccelerateEngine:
             self.accelerator, self.optim_cfg, module, optimizer, scheduler,
             recipe_schedule=lambda opt, total=scheduler.total_steps: build_scheduler(opt, self.optim_cfg, total))
         if owned:
-            self.print0(owned)
+            print0(owned)
         with zero3_keeps_model_dtype() if self.plan.zero_stage == 3 else contextlib.nullcontext():
             if owned:
                 self.model, self.optimizer, scheduler, self.train_loader, self.eval_loader = self.accelerator.prepare(
@@ -177,11 +130,10 @@ class AccelerateEngine:
             else:
                 self.model, self.optimizer, self.train_loader, self.eval_loader = self.accelerator.prepare(
                     module, optimizer, train_loader, eval_loader)
-        self.print0(optimizer_in_effect(self.optimizer))
+        print0(optimizer_in_effect(self.optimizer))
         expected = len(data["train"]) // t.micro_batch_size // self.num_processes   # config.optimizer_steps' count
         assert len(self.train_loader) == expected, (len(self.train_loader), expected)
         self.scheduler, self.collate = scheduler, collate   # its state goes to scheduler.json (see save)
-        self.max_grad_norm = self.optim_cfg.max_grad_norm or float("inf")   # inf: measure the norm, never clip
         self.model.train()
 
     def describe(self) -> dict:
@@ -195,38 +147,6 @@ class AccelerateEngine:
         loader = self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
         loader.set_epoch(epoch)   # the skipping loader is new: give it the epoch, or it reshuffles as epoch 0
         return iter(loader)
-
-    def train_step(self, batches):
-        """`accum` micro batches, then clip, step and schedule. A step whose loss (on any rank) or
-        gradient norm is not finite updates nothing, decided on the device (skip_update_if).
-        -> (mean loss, grad norm, skipped, fp16 overflow): device tensors the host has not waited for
-        (under DeepSpeed, its own skip decision, which it made on the host inside its step)."""
-        a, losses = self.accelerator, []
-        for _ in range(self.accum):
-            batch = next(batches)
-            with a.accumulate(self.model):   # syncs gradients on the last micro batch only
-                loss = self.model(**batch).loss
-                a.backward(loss)             # DeepSpeed steps inside, on the last micro batch
-            losses.append(loss.detach())
-        assert a.sync_gradients, "the loop and Accelerate disagree on the accumulation boundary"
-        loss = torch.stack(losses).float().mean()
-        if self.plan.deepspeed:   # DeepSpeed clipped and stepped, or skipped a non-finite step (its overflow check)
-            grad_norm, skipped = deepspeed_step(a, self.model)
-            if not skipped:       # as DeepSpeed's own schedules (and the Trainer) do
-                self.scheduler.step()
-            return loss, grad_norm, skipped, False
-        grad_norm = a.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)   # fp16: unscales first
-        if hasattr(grad_norm, "full_tensor"):   # FSDP2 returns a DTensor: the global norm as a plain tensor
-            grad_norm = grad_norm.full_tensor()
-        loss_bad = on_any_rank(~torch.isfinite(loss))
-        skipped = loss_bad | ~torch.isfinite(grad_norm)   # the norm is global: the same on every rank
-        if skip_update_if(self.optimizer, a.scaler, skipped):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        # The schedule advances every step, applied or skipped: the host does not know which (the lr of
-        # step n is the schedule's, whatever earlier steps did; a skipped step's lr goes unused).
-        self.scheduler.step()
-        return loss, grad_norm, skipped, (skipped & ~loss_bad) if a.scaler is not None else False
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -282,7 +202,7 @@ class AccelerateEngine:
 
     def load(self, path: str):
         if self.plan.kind == "deepspeed":   # saved by another process count: ZeRO's partitions re-cut
-            with resharded(Path(path), self.num_processes, self.model, self.is_main, self.broadcast) as source:
+            with resharded(Path(path), self.num_processes, self.model, self.is_main, broadcast) as source:
                 self.accelerator.load_state(str(source))
         else:   # DDP's state is whole; FSDP's shards are re-cut by torch's distributed checkpoint
             self.accelerator.load_state(str(path))
@@ -297,9 +217,8 @@ class AccelerateEngine:
         return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml, card)
 
     def final(self) -> dict:
-        """Collective: every rank's peak memory (GPUs) and full-weight checksum."""
+        """Collective: every rank's peak memory (GPUs)."""
         a = self.accelerator
-        return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, a.process_index, a.num_processes, a.device,
+        return {"peak_memory_gb_per_rank": peak_memory_gb(all_sum, a.process_index, a.num_processes, a.device,
                                                           self.on_gpu),
-                "rank_checksums": rank_checksums(a, self.model),
                 "distributed_type": str(a.distributed_type)}

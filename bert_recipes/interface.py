@@ -3,10 +3,14 @@ one place. Two engines satisfy it: `engine.AccelerateEngine` (DDP, ZeRO-1/2/3 wi
 and `pipeline.PipelineEngine` (DeepSpeed's pipeline). train.py's loop names no backend.
 
 Call order: build (starts the process group) -> wrap -> prepare -> describe -> [load] ->
-batches / train_step ... -> evaluate / save / export -> final -> finish.
+batches / train.train_step ... -> evaluate / save / export -> final -> finish.
 
-Attributes marked "after prepare" exist only once `prepare` has run; `check_engine` verifies the
-whole list then (train.main calls it on every run, so every backend test checks it).
+The step is train.py's (train_step), not an engine's: it reads the Accelerate engine's `accelerator`, `model`,
+`optimizer` and `scheduler`, and the pipeline engine's DeepSpeed `engine`, in its two branches. Output and
+collectives are plain functions (bert_recipes/ranks.py), the trackers train.py's (logs.Trackers).
+
+Attributes marked "after prepare" exist only once `prepare` has run; tests/test_interface.py checks the
+whole list on both engines, and after prepare on a real run.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 class Engine(Protocol):
     # ------------------------------------------------------------ facts, fixed at build time
     name: str                   # the backend row's name: ddp, zero2-offload, fsdp, pipeline ...
+    plan: Any                   # the resolved launch plan (backends/plan.LaunchPlan): train_step's branches
     on_gpu: bool                # the plan's device decision (backend.launch_plan_here), never re-decided
     device: torch.device        # where this rank's batches go
     num_processes: int          # every rank of the job
@@ -34,28 +39,9 @@ class Engine(Protocol):
     # ------------------------------------------------------------ after prepare
     counts_data: bool           # this rank reads batches (the pipeline's middle stages do not)
 
-    # ------------------------------------------------------------ communication and output
-    def print0(self, *args) -> None:
-        """Print on global rank 0 only."""
-
-    def barrier(self) -> None:
-        """Every rank waits for every other."""
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (picklable)."""
-
-    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks, on every rank."""
-
-    def start_trackers(self, run_name: str, config: dict, ids: dict | None = None) -> dict:
-        """Open logging.trackers (rank 0) with the flat config, continuing the runs `ids` names (a resume);
-        -> {tracker: run id} to save with the checkpoints (logs.Trackers)."""
-
-    def log(self, values: dict, step: int) -> None:
-        """One point per key on every tracker."""
-
+    # ------------------------------------------------------------ the end
     def finish(self) -> None:
-        """Close trackers and clear swap files; the engine is not used after this."""
+        """Clear swap files and end the backend; the engine is not used after this."""
 
     # ------------------------------------------------------------ setup
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -70,11 +56,6 @@ class Engine(Protocol):
     # ------------------------------------------------------------ training
     def batches(self, epoch: int, skip: int) -> Iterator[dict]:
         """This rank's micro batches of `epoch`, the first `skip` left out before collation."""
-
-    def train_step(self, batches: Iterator[dict]) -> tuple:
-        """One optimizer step over `accum` micro batches -> (mean loss, grad norm, skipped, fp16
-        overflow): device tensors (or host values where the backend decided on the host) that the
-        loop reads only at log steps."""
 
     def lr(self) -> float:
         """The learning rate of the last step."""
@@ -100,21 +81,4 @@ class Engine(Protocol):
         so a write that fails there leaves no rank waiting)."""
 
     def final(self) -> dict:
-        """End-of-run facts: peak memory per rank, checksums (collective)."""
-
-
-MEMBERS = tuple(Engine.__annotations__) + tuple(n for n, v in vars(Engine).items()
-                                                if callable(v) and not n.startswith("_"))
-
-
-def missing_members(engine) -> list[str]:
-    """The Engine members `engine` lacks (attributes included: call it after prepare)."""
-    return sorted(n for n in MEMBERS if not hasattr(engine, n))
-
-
-def check_engine(engine) -> None:
-    """Raise TypeError naming what an engine lacks of the interface (a programming error, not a user's)."""
-    missing = missing_members(engine)
-    if missing:
-        raise TypeError(f"{type(engine).__name__} does not implement the Engine interface "
-                        f"(bert_recipes/interface.py): missing {', '.join(missing)}")
+        """End-of-run facts: peak memory per rank (collective)."""

@@ -1,4 +1,5 @@
-"""AdamW or LAMB with decoupled weight decay, and a warmup + decay schedule (warmup-stable-decay among them)."""
+"""AdamW or LAMB with decoupled weight decay, the device-side skip of a step that is not finite (skip_update_if, the
+optimizers' found_inf), and a warmup + decay schedule (warmup-stable-decay among them)."""
 from __future__ import annotations
 
 import math
@@ -116,6 +117,27 @@ class Lamb(torch.optim.Optimizer):
             # a checkpoint from before: a Python number, or a float64 count (what the fused kernel cannot read)
             state["step"] = torch.as_tensor(step, dtype=torch.float32, device=p.device).clone()
         return state
+
+
+def skip_update_if(optimizer, scaler, skipped) -> bool:
+    """Make this step's update a no-op where `skipped` (a bool tensor on the device) is true, without
+    the host reading it. -> whether to call optimizer.step() at all.
+
+    fp16: the loss scaler skips overflowing gradients itself; a non-finite loss is added to what it
+    found, so both take the same road (the scaler hands found_inf to a fused optimizer). Otherwise the
+    optimizer under Accelerate's wrapper takes it as `found_inf`: torch's fused AdamW (optim.fused, the
+    default) and the recipe's LAMB. Other kernels cannot (optim.fused=false, the foreach AdamW): there the
+    host reads the flag, one wait per step."""
+    inner = optimizer.optimizer   # Accelerate's AcceleratedOptimizer wraps the torch optimizer
+    if scaler is not None:
+        found = scaler._per_optimizer_states[id(inner)].get("found_inf_per_device", {})
+        for value in found.values():   # 0 or 1: the fused kernels skip on exactly 1
+            torch.maximum(value, skipped.to(value), out=value)
+        return True
+    if getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, Lamb):
+        inner.found_inf = skipped.float()
+        return True
+    return not bool(skipped)   # a host wait: this kernel has no found_inf
 
 
 def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:

@@ -4,7 +4,8 @@ Accelerate has no pipeline parallelism for training, so when the DeepSpeed JSON 
 section train.py builds `PipelineEngine` here instead of the Accelerate engine. The loop, the
 recipe, the data order, the schedule and the outputs (checkpoints/, model/ in Hugging Face format,
 metrics.json) are train.py's, the same as on every other backend; this module holds only the
-model split (layer specs), the engine and its export.
+model split (layer specs), the engine, its step (train_batch: the pipeline's branch of train.py's
+train_step) and its export.
 
 BERT is cut into a flat list of layers, each taking and returning (hidden, attention_mask); the
 mask travels as an integer tensor, so the pipeline sends no gradient for it:
@@ -33,14 +34,14 @@ from .backends.accelerator import cpu_affinity
 from .backends.deepspeed import saved_meeting_the_barrier
 from .backends.deepspeed_universal import resharded
 from .batching import Indexed
-from .config import ConfigError, DataConfig, LoggingConfig, OptimConfig, TaskConfig, TrainConfig
+from .config import ConfigError, DataConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import write_export
 from .guard import control_group, slow_barrier
-from .logs import Trackers
 from .memory import bubble_line
 from .metrics import joined_rows
 from .modeling import batch_rows, masked_lm_loss, predictions
 from .optim import resume_schedule
+from .ranks import all_sum, broadcast, print0
 from .rng import load_rng_state, save_rng_state
 
 TIED_KEY = "embeddings"
@@ -196,12 +197,11 @@ class PipelineEngine:
     name = "pipeline"
 
     def __init__(self, plan, output_dir: Path, *, train: TrainConfig, data: DataConfig, optim: OptimConfig,
-                 task: TaskConfig, logging: LoggingConfig, seed: int):
+                 task: TaskConfig, seed: int):
         import deepspeed
         import deepspeed.comm as dist
 
         from .backends.accelerator import set_kernels
-        from .backends.consistency import check_trackers
         from .backends.deepspeed import ask_cpuinfo_once
         ask_cpuinfo_once()   # (what the pipeline cannot run was refused in preflight: backends/deepspeed.pipeline_conflicts)
         self.plan, self.output_dir = plan, output_dir
@@ -225,40 +225,15 @@ class PipelineEngine:
         self.is_local_main = int(os.environ.get("LOCAL_RANK", "0")) == 0
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         self.fixed_length = data.max_seq_length   # the pipeline's buffers have fixed shapes
-        self.trackers = Trackers(check_trackers(logging.trackers), self.is_main, output_dir / "logs")
         self.setup_line = (f"DeepSpeed pipeline engine, {self.stages} stages x {self.replicas} data-parallel replicas = "
                            f"{world} processes, precision={plan.precision}; global batch "
                            f"{train.global_batch_size} = micro {train.micro_batch_size} x accum {self.accum} "
                            f"x dp {self.replicas}; {bubble_line(self.stages, self.accum)}")
         if kernels:
-            self.print0(kernels)
-
-    # ------------------------------------------------------------ communication and output
-    def print0(self, *args):
-        if self.is_main:
-            print(*args, flush=True)
-
-    def barrier(self):
-        self.dist.barrier()
-
-    def broadcast(self, obj):
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def all_sum(self, tensor):
-        tensor = tensor.to(self.device)
-        torch.distributed.all_reduce(tensor)
-        return tensor
-
-    def start_trackers(self, run_name: str, config: dict, ids: dict | None = None) -> dict:
-        return self.trackers.start(run_name, config, ids)
-
-    def log(self, values: dict, step: int):
-        self.trackers.log(values, step)
+            print0(kernels)
 
     def finish(self):
-        self.trackers.finish()
+        pass   # DeepSpeed's pipeline leaves nothing to clear
 
     # ------------------------------------------------------------ setup
     def wrap(self, model):
@@ -332,14 +307,6 @@ class PipelineEngine:
         self.batch_sampler.skip_batches = skip
         return iter(self.loader)
 
-    def train_step(self, batches):
-        """`accum` micro batches through the pipeline (the first and last stages read them; DeepSpeed
-        clips, steps and schedules)."""
-        loss = self.engine.train_batch(data_iter=map(_as_inputs, batches))
-        # ZeRO-1 (ds_configs/pipeline.json) skips a step whose gradient norm is not finite (a host
-        # decision inside DeepSpeed's step); -> (loss, grad norm, skipped, fp16 overflow)
-        return loss, self.engine.get_global_grad_norm(), not self.engine.was_step_applied(), False
-
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
@@ -395,7 +362,7 @@ class PipelineEngine:
     def load(self, path: str):
         """Another number of replicas (train.py's [resume] line says so): the ZeRO-1 partitions re-cut through
         DeepSpeed's universal checkpoint, like ZeRO-1's."""
-        with resharded(Path(path), self.num_processes, self.engine, self.is_main, self.broadcast, tag="engine") as source:
+        with resharded(Path(path), self.num_processes, self.engine, self.is_main, broadcast, tag="engine") as source:
             self.engine.load_checkpoint(str(source), tag="engine")
         resume_schedule(self.scheduler)   # this run's schedule from the checkpoint's step (another length: optim.py)
         load_rng_state(path, self.rank, self.on_gpu)
@@ -426,9 +393,18 @@ class PipelineEngine:
 
     def final(self) -> dict:
         from .perf import peak_memory_gb
-        return {"peak_memory_gb_per_rank": peak_memory_gb(self.all_sum, self.rank, self.num_processes, self.device,
+        return {"peak_memory_gb_per_rank": peak_memory_gb(all_sum, self.rank, self.num_processes, self.device,
                                                           self.on_gpu),
                 "distributed_type": "DEEPSPEED_PIPELINE"}
+
+
+def train_batch(engine, batches):
+    """One optimizer step of DeepSpeed's pipeline `engine` over the step's micro batches (the first and last
+    stages read them; DeepSpeed runs the schedule of micro batches, clips, steps and schedules). ZeRO-1
+    (ds_configs/pipeline.json) skips a step whose gradient norm is not finite, a host decision inside its step.
+    -> (loss, grad norm, skipped, fp16 overflow), as train.train_step returns them."""
+    loss = engine.train_batch(data_iter=map(_as_inputs, batches))
+    return loss, engine.get_global_grad_norm(), not engine.was_step_applied(), False
 
 
 def _as_inputs(batch: dict):

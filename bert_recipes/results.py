@@ -8,6 +8,7 @@ from pathlib import Path
 from .checkpoint import checkpoint_root, save_checkpoint
 from .config import CheckpointConfig, TaskConfig
 from .metrics import eval_metrics
+from .ranks import barrier, print0
 
 BEST = "best"
 
@@ -30,7 +31,7 @@ def keep_best(ckpt: CheckpointConfig, engine, state: dict, metrics: dict, output
         return False
     state["best"] = {"step": metrics["step"], "metric": name, "value": metrics[name], "metrics": dict(metrics)}
     save_checkpoint(output_dir, metrics["step"], state, config_yaml, ckpt.keep_last, engine, name=BEST)
-    engine.print0(f"[best] step {metrics['step']}: {name} {metrics[name]:.4f}, kept in {checkpoint_root(output_dir) / BEST}")
+    print0(f"[best] step {metrics['step']}: {name} {metrics[name]:.4f}, kept in {checkpoint_root(output_dir) / BEST}")
     return True
 
 
@@ -40,7 +41,7 @@ def restore_best(engine, state: dict, output_dir: Path) -> dict | None:
     if not best or best["step"] == state["step"]:
         return None
     engine.load(checkpoint_root(output_dir) / BEST)
-    engine.print0(f"[best] the export, the test predictions and the final metrics come from step {best['step']} "
+    print0(f"[best] the export, the test predictions and the final metrics come from step {best['step']} "
                   f"({best['metric']} {best['value']:.4f}), not the last step {state['step']}")
     return dict(best["metrics"])
 
@@ -52,7 +53,7 @@ def extra_evaluations(task: TaskConfig, engine, data) -> dict:
         split = key.removeprefix("eval:")
         metrics = eval_metrics(task, engine.evaluate(data[key]))
         out.update({f"{split}/{k}": v for k, v in metrics.items()})
-        engine.print0(f"[eval] {split}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+        print0(f"[eval] {split}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in metrics.items()))
     return out
 
@@ -74,13 +75,13 @@ def write_predictions(task: TaskConfig, engine, data, test_index: dict, output_d
         path = output_dir / "predictions" / f"{split}.tsv"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("index\tprediction\n" + "".join(f"{i}\t{p}\n" for i, p in zip(test_index[split], shown)))
-        engine.print0(f"[predict] {split}: {len(shown)} predictions -> {path}")
+        print0(f"[predict] {split}: {len(shown)} predictions -> {path}")
         written.append(path)
-    engine.barrier()
+    barrier()
     return written
 
 
-def push_to_hub(ckpt: CheckpointConfig, run_name: str, export_dir: Path, print0) -> None:
+def push_to_hub(ckpt: CheckpointConfig, run_name: str, export_dir: Path) -> None:
     """Upload the export (weights, tokenizer, recipe, model card) to checkpoint.hub_model_id. A failed
     upload does not undo the run: it says so and how to retry."""
     repo = ckpt.hub_model_id

@@ -20,6 +20,7 @@ import gc
 import torch
 
 from .config import Config, predictions_per_seq
+from .ranks import print0
 
 
 def trial_batch(cfg: Config, size: int, vocab_size: int, padded: bool, device) -> dict:
@@ -98,7 +99,7 @@ def confirm_micro_batch(cfg: Config, plan, engine) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision)
     autocast = torch.autocast("cuda", dtype=dtype) if dtype else contextlib.nullcontext()
     found = largest_fitting(planned, per_rank, lambda size: step_fits(
-        model, optimizer, trial_batch(cfg, size, vocab, plan.padded, engine.device), autocast), engine.print0)
+        model, optimizer, trial_batch(cfg, size, vocab, plan.padded, engine.device), autocast), print0)
     del model, optimizer
     gc.collect()
     torch.cuda.empty_cache()
@@ -110,7 +111,7 @@ def confirm_micro_batch(cfg: Config, plan, engine) -> None:
         t.micro_batch_size = agreed
         resolve_run(cfg, plan, plan.world, capability=None)   # the accumulation that follows (bf16: preflight)
         engine.set_accumulation(plan.accum)
-    engine.print0(f"[config] train.micro_batch_size=auto -> {agreed}: a whole step (optimizer states included) ran "
+    print0(f"[config] train.micro_batch_size=auto -> {agreed}: a whole step (optimizer states included) ran "
                   f"at {agreed} on every rank" + (f" (the planner chose {planned}; accumulation now {plan.accum})"
                                                   if agreed != planned else ""))
 

@@ -468,10 +468,11 @@ def worker_pids(proc) -> dict[int, int]:
 def launch(nproc: int, overrides: list[str], recipe: str | None = None, launcher: str = "accelerate",
            timeout: int = 900, env: dict | None = None, backend: str = "ddp", config: Path | None = None) -> dict:
     """Run train.py as a real multi-process job on CPU, under a row of the backend matrix; return
-    its metrics.json (final, history, config)."""
+    its metrics.json (final, history, config). Through tests/checksum_harness.py, which adds each rank's
+    full-weight checksum (final.rank_checksums) to what train.py computes and changes nothing else."""
     out_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.output_dir=")))
     args = (["--recipe", recipe] if recipe else []) + [f"--{o}" for o in overrides]
-    log = launch_script("train.py", args, nproc, launcher=launcher, timeout=timeout, env=env, backend=backend,
+    log = launch_script("tests/checksum_harness.py", args, nproc, launcher=launcher, timeout=timeout, env=env, backend=backend,
                         config=config)
     (out_dir.parent / f"{out_dir.name}.log").write_text(log)
     return json.loads((out_dir / "metrics.json").read_text())

@@ -14,7 +14,7 @@ import torch
 from bert_recipes.backends.consistency import check_consistency
 from bert_recipes.backends.plan import LaunchPlan, backend_rows, bf16_supported, decide_on_gpu
 from bert_recipes.config import ConfigError, load_config
-from bert_recipes.engine import skip_update_if
+from bert_recipes.optim import skip_update_if
 from bert_recipes.guard import slow_barrier
 from bert_recipes.perf import gpu_peak
 from conftest import REPO, _port, tiny_args
@@ -109,7 +109,7 @@ def test_an_unknown_gpu_reports_nan_mfu_not_a_wrong_one():
 # ----------------------------------------------------------------------------- skipped steps
 def _scaled_step(init_scale: float, engine_path: bool):
     """One fp16-style step with a real GradScaler and torch's fused AdamW. engine_path: as
-    AccelerateEngine.train_step does it (its own non-finite flag folded into the scaler's, on the
+    train.train_step does it (its own non-finite flag folded into the scaler's, on the
     device); else the scaler alone decides inside step()."""
     from types import SimpleNamespace
     torch.manual_seed(0)
@@ -210,7 +210,7 @@ def test_collectives_get_the_recipes_timeout(monkeypatch):
                                "train.micro_batch_size=32"])
     with pytest.raises(Stop):
         build_accelerator(resolve_run(cfg, LaunchPlan(on_gpu=False), 2), REPO / "runs/unused", train=cfg.train,
-                          optim=cfg.optim, trackers=cfg.logging.trackers, pin_memory=cfg.data.pin_memory)
+                          optim=cfg.optim, pin_memory=cfg.data.pin_memory)
     handler = seen["InitProcessGroupKwargs"]
     assert isinstance(handler, InitProcessGroupKwargs) and handler.timeout == timedelta(seconds=42)
     assert handler.backend == "gloo"

@@ -109,7 +109,8 @@ def trial_setup(monkeypatch, fits_up_to: int, planned: int = 16, global_batch: i
             raise torch.OutOfMemoryError(CUDA_OOM)
         return forward(self, input_ids=input_ids, **kwargs)
     monkeypatch.setattr(RecipeBertForMaskedLM, "forward", forward_or_oom)
-    engine = types.SimpleNamespace(device=torch.device("cpu"), control=None, print0=lines.append, accum=None)
+    monkeypatch.setattr("bert_recipes.trial.print0", lines.append)   # the trial's lines (ranks.print0 in a run)
+    engine = types.SimpleNamespace(device=torch.device("cpu"), control=None, accum=None)
     engine.set_accumulation = lambda accum: setattr(engine, "accum", accum)
     return cfg, plan, engine, lines, held
 
@@ -180,7 +181,8 @@ def _rank_main(out_dir: str) -> None:
     rank = dist.get_rank()
     patch = pytest.MonkeyPatch()
     cfg, plan, engine, lines, _ = trial_setup(patch, fits_up_to=8 if rank == 0 else 2, planned=8, world=2)
-    engine.control, engine.print0 = dist.group.WORLD, print
+    engine.control = dist.group.WORLD
+    patch.setattr("bert_recipes.trial.print0", print)
     from bert_recipes.trial import confirm_micro_batch
     confirm_micro_batch(cfg, plan, engine)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(

@@ -33,9 +33,9 @@ def unchanged(model, before) -> bool:
 
 # ----------------------------------------------------------------------------- torch
 def test_grad_scaler_per_optimizer_states():
-    """engine.skip_update_if raises the scaler's found_inf_per_device in place: the scaler's step must then skip
+    """optim.skip_update_if raises the scaler's found_inf_per_device in place: the scaler's step must then skip
     the update and its update() must back the scale off, as for an overflow it found itself."""
-    from bert_recipes.engine import skip_update_if
+    from bert_recipes.optim import skip_update_if
     name = "GradScaler._per_optimizer_states"
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
     model, optimizer, before = tiny_step(scale=scaler.scale)
@@ -52,7 +52,7 @@ def test_optimizer_found_inf_contract(kernel):
     """Without a scaler the engine sets `found_inf` on torch's fused AdamW (torch._fused_adamw_ reads it): a step
     with found_inf 1 changes neither the weights nor the step count, so the next real step equals a fresh one.
     A kernel without the contract (the plain for-loop AdamW) is asked on the host instead."""
-    from bert_recipes.engine import skip_update_if
+    from bert_recipes.optim import skip_update_if
     name = "the optimizer's found_inf contract (torch._fused_adamw_)"
     model, optimizer, before = tiny_step(kernel)
     wrapped = types.SimpleNamespace(optimizer=optimizer)

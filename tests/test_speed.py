@@ -395,25 +395,25 @@ def test_bench_smoke_writes_the_table_and_the_chart(tmp_path, sample_dir):
 # ----------------------------------------------------------------------------- shapes that repeat
 @pytest.fixture
 def strict_after(monkeypatch):
-    """strict_after(warmed_up) -> state: wraps the engine's step; once warmed_up(engine, shapes seen) holds
+    """strict_after(warmed_up) -> state: wraps train.py's step; once warmed_up(engine, shapes seen) holds
     after a step, torch.compiler.set_stance("fail_on_recompile") (public API): from then on a recompile
     fails the run. Dynamo's caches and the stance are reset around the test."""
-    from bert_recipes.engine import AccelerateEngine
-    original, state = AccelerateEngine.train_step, {"seen": set(), "strict_from": None, "steps": 0}
+    import train
+    original, state = train.train_step, {"seen": set(), "strict_from": None, "steps": 0}
 
     def install(warmed_up):
-        def step(self, batches):
+        def step(run, batches):
             def watched():
                 for batch in batches:
                     state["seen"].add(tuple(batch["input_ids"].shape))
                     yield batch
-            out = original(self, watched())
+            out = original(run, watched())
             state["steps"] += 1
-            if state["strict_from"] is None and warmed_up(self, state["seen"]):
+            if state["strict_from"] is None and warmed_up(run.engine, state["seen"]):
                 torch.compiler.set_stance("fail_on_recompile")
                 state["strict_from"] = state["steps"]
             return out
-        monkeypatch.setattr(AccelerateEngine, "train_step", step)
+        monkeypatch.setattr(train, "train_step", step)
         return state
     torch.compiler.reset()
     yield install

@@ -286,7 +286,7 @@ def measure(args, cfg) -> dict:
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world
     out_dir = Path(cfg.run.output_dir)
     accelerator = build_accelerator(resolve_run(cfg, launch_plan, world), out_dir, train=cfg.train, optim=cfg.optim,
-                                    trackers=cfg.logging.trackers, pin_memory=cfg.data.pin_memory)
+                                    pin_memory=cfg.data.pin_memory)
     config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
     model = build_model(cfg.model, cfg.task, config=config, packed_dropout=launch_plan.packed_dropout)
     shape = Shape.from_config(config, cfg.task.kind)

@@ -1,5 +1,5 @@
 """The Accelerator a resolved plan asks for, the GPU kernels it sets, and what really engaged: the
-optimizer that steps, the backend described, the full weights and the ranks' checksums. The backend
+optimizer that steps, the backend described, the full weights. The backend
 itself (DDP, DeepSpeed, FSDP) comes from the launch config; each one's own rules are in
 backends/deepspeed.py and backends/fsdp.py."""
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 from ..config import ConfigError, OptimConfig, TrainConfig
 from . import deepspeed as ds_rules
 from . import fsdp as fsdp_rules
-from .consistency import check_trackers
 from .plan import LaunchPlan
 
 def set_kernels(plan: LaunchPlan) -> str | None:
@@ -40,8 +39,8 @@ def set_kernels(plan: LaunchPlan) -> str | None:
 
 
 def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, optim: OptimConfig,
-                      trackers: list[str], pin_memory: bool):
-    """The Accelerator, with the settings the recipe owns (precision, accumulation, trackers), from a
+                      pin_memory: bool):
+    """The Accelerator, with the settings the recipe owns (precision, accumulation), from a
     plan resolve_run has filled in (recipe and launch files already compared there). The backend
     itself (DDP, DeepSpeed, FSDP) comes from the launch config. optim: a DeepSpeed JSON's clipping
     "auto"; pin_memory: data.pin_memory, whether batches are copied without a host wait."""
@@ -56,7 +55,6 @@ def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig,
     # the backend must be named: otherwise Accelerate leaves it unset for DeepSpeed and sees 1 process.
     handlers = [] if world_size == 1 else [InitProcessGroupKwargs(
         backend=None if on_gpu else "gloo", timeout=timedelta(seconds=train.collective_timeout_s))]
-    check_trackers(trackers)   # opened by the engine (logs.Trackers), the same on every backend
     if plan.deepspeed:
         ds_rules.ask_cpuinfo_once()
     accelerator = Accelerator(
@@ -182,14 +180,3 @@ def full_weights(accelerator, model):
     else:
         yield {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
                for k, v in unwrapped.state_dict().items()}
-
-
-def rank_checksums(accelerator, model) -> list[list[float]]:
-    """[sum, sum of |w|] in float64 of the full weights as each rank sees them; equal rows mean
-    the ranks agree. Collective: every rank must call it."""
-    with full_weights(accelerator, model) as weights:
-        tensors = list(weights.values())
-        local = torch.tensor([[sum(float(t.double().sum()) for t in tensors),
-                               sum(float(t.double().abs().sum()) for t in tensors)]],
-                             dtype=torch.float64, device=accelerator.device)
-    return accelerator.gather(local).tolist()

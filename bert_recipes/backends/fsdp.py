@@ -33,3 +33,9 @@ def fsdp1_full_weights(accelerator, model):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     with FSDP.summon_full_params(model, writeback=False):
         yield {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+
+def plain_norm(norm):
+    """clip_grad_norm_'s total norm as a plain tensor: FSDP2 returns a DTensor, whose full_tensor() is the
+    global norm (the same on every rank); any other backend's norm as it is."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
