@@ -53,13 +53,14 @@ from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if
 from bert_recipes.doctor.nvml import start_sampler
-from bert_recipes.perf import (DataLoaderWatch, SyncAudit, flops_per_token, peak_flops, profile_table, rank_extremes,
+from bert_recipes.perf import (DataLoaderWatch, flops_per_token, peak_flops, profile_table, rank_extremes,
                                start_profiler, utilisation_text)
 from bert_recipes.pipeline import train_batch
 from bert_recipes.preflight import preflight, same_on_every_rank
 from bert_recipes.rank0 import on_nodes, on_rank0
 from bert_recipes.ranks import all_sum, broadcast, print0
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
+from bert_recipes.sync_audit import SyncAudit
 from bert_recipes.trial import confirm_micro_batch
 
 
@@ -118,17 +119,7 @@ def main(cfg: Config) -> dict:
     set_seed(cfg.run.seed)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
            f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
-    check_shared_output_dir(output_dir, engine)
-    # Rank 0 picks the checkpoint and tells the others: ranks may see the disk at different times.
-    checkpoint, resume_notes = on_rank0(engine.is_main, broadcast,
-                                        lambda: resolve_resume(cfg.checkpoint.resume, output_dir))
-    for note in notes + resume_notes:
-        print0(note)
-    layout = run_layout(plan, cfg.train.micro_batch_size)   # saved with each checkpoint
-    if checkpoint is not None:   # another process count: the state re-cut (a line), or one line refusing it
-        changed = resume_layout(saved_layout(checkpoint), layout, checkpoint)
-        if changed:
-            print0(changed)
+    checkpoint, layout = pick_checkpoint(cfg, plan, engine, output_dir, notes)
 
     # -------------------------------------------------------------------- data
     check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
@@ -170,12 +161,7 @@ def main(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------- resume
     if checkpoint is not None:
-        engine.load(checkpoint)
-        run.state = read_train_state(checkpoint)
-        print0(f"[resume] from {checkpoint} at step {run.state['step']}")
-        lengthened = schedule_change(cfg.optim, run.state["step"], run.state.get("total_steps", total_steps), total_steps)
-        if lengthened:   # the schedule follows this run's length from the checkpoint's step on
-            print0(lengthened)
+        resume(run, checkpoint)
     run.state["layout"], run.state["total_steps"] = layout, total_steps
     start_writing(run, cfg.run.overwrite, cfg.checkpoint.resume)   # every check has passed
     # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
@@ -189,6 +175,35 @@ def main(cfg: Config) -> dict:
         return finish(run, time.perf_counter() - t_start)
     finally:   # after a stop signal the process is about to exit: later signals stay ignored
         run.preemption.uninstall(ignore_from_now=bool(run.stop_signal))
+
+
+def pick_checkpoint(cfg: Config, plan, engine: Engine, output_dir: Path, notes: list[str]):
+    """The checkpoint checkpoint.resume names (None: a new run), picked by rank 0 and told to the others (ranks
+    may see the disk at different times), and this run's layout, saved with each checkpoint: another process
+    count re-cuts the saved state (a line) or is refused (one line). -> (checkpoint or None, layout)."""
+    check_shared_output_dir(output_dir, engine)
+    checkpoint, resume_notes = on_rank0(engine.is_main, broadcast,
+                                        lambda: resolve_resume(cfg.checkpoint.resume, output_dir))
+    for note in notes + resume_notes:
+        print0(note)
+    layout = run_layout(plan, cfg.train.micro_batch_size)
+    if checkpoint is not None:
+        changed = resume_layout(saved_layout(checkpoint), layout, checkpoint)
+        if changed:
+            print0(changed)
+    return checkpoint, layout
+
+
+def resume(run: Run, checkpoint) -> None:
+    """The checkpoint's weights, optimizer, schedule and RNG (engine.load) and the loop's state; a run of another
+    length follows its own schedule from the checkpoint's step on (a line)."""
+    run.engine.load(checkpoint)
+    run.state = read_train_state(checkpoint)
+    print0(f"[resume] from {checkpoint} at step {run.state['step']}")
+    lengthened = schedule_change(run.cfg.optim, run.state["step"], run.state.get("total_steps", run.total_steps),
+                                 run.total_steps)
+    if lengthened:
+        print0(lengthened)
 
 
 def start_writing(run: Run, overwrite: bool, resume: str | None) -> None:

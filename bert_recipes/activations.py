@@ -1,7 +1,7 @@
 """The memory planner's model: BERT's parameters (Shape, from a model config) and the activations one
 training step saves for backward (Workload -> activation_bytes), listed op by op for Hugging Face's
 BertLayer, with the attention kernel each shape takes. bert_recipes/memory.py adds what each backend
-keeps; bert_recipes/measure.py counts what really happens. No torch at import time."""
+keeps; tools/measure.py counts what really happens. No torch at import time."""
 from __future__ import annotations
 
 import math

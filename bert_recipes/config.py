@@ -322,7 +322,7 @@ class LoggingConfig:
     sync_audit: bool = False
     """Count, in the steps between log steps, the calls that would make the host wait for a GPU (a
     tensor read as a number, copied to the host, or indexed by a boolean mask; synchronize), by call
-    site: each log line gets `host_syncs`, metrics.json the sites (bert_recipes.perf.SyncAudit). It also
+    site: each log line gets `host_syncs`, metrics.json the sites (bert_recipes.sync_audit.SyncAudit). It also
     counts the host-to-device copies the repository's own code makes in the step (a tensor built from
     Python data on the device, a copy onto it). On a GPU it turns on torch.cuda.set_sync_debug_mode("warn")
     in the step too, and each log line gets `sync_warnings`. A diagnostic: it slows the step it watches."""

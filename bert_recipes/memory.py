@@ -15,7 +15,7 @@ processes for the ZeRO stages; saved tensors for activations) within 10%. Tempor
 estimated from the backends' settings; only a GPU allocator can measure them (tools/memory.py
 --measure reports torch.cuda.max_memory_allocated next to the predicted peak).
 
-The model and its activations: bert_recipes/activations.py; the measurement: bert_recipes/measure.py.
+The model and its activations: bert_recipes/activations.py; the measurement: tools/measure.py.
 No torch at import time (make memory plans in a fraction of a second).
 """
 from __future__ import annotations

@@ -218,7 +218,7 @@ def test_zero3_nvme_parameters_stay_fp32(tmp_path, sample_dir, datasets_cache, s
 @pytest.mark.parametrize("name", ["ddp", "multinode", "fsdp", "zero1", "zero2", "zero2-offload", "zero3",
                                   "zero3-offload", "pipeline"])
 def test_no_host_waits_between_log_steps(name, row_run):
-    """logging.sync_audit (bert_recipes.perf.SyncAudit) counts, in the steps between log steps, every call
+    """logging.sync_audit (bert_recipes.sync_audit.SyncAudit) counts, in the steps between log steps, every call
     that would make the host wait for a GPU (a tensor read as a number or copied to the host, a boolean-
     mask index, synchronize). None under DDP (one node or two) and FSDP2: the loss, the counts and the
     skip decisions stay on the device. Under DeepSpeed only its own step's, each named with its line in

@@ -73,8 +73,8 @@ def test_optimizer_found_inf_contract(kernel):
 
 
 def test_sync_audit_call_sites_come_from_sys_getframe():
-    """perf.SyncAudit names each host wait by its caller's file and line (sys._getframe inside the mode)."""
-    from bert_recipes.perf import SyncAudit
+    """sync_audit.SyncAudit names each host wait by its caller's file and line (sys._getframe inside the mode)."""
+    from bert_recipes.sync_audit import SyncAudit
     with SyncAudit(False) as audit:
         line = sys._getframe().f_lineno + 1
         torch.ones(2).sum().item()

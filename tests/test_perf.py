@@ -116,7 +116,7 @@ def test_sync_audit_counts_python_data_written_to_the_device():
     Reads are counted as before; dtype casts, a tensor built on the host and library code are not."""
     import torch
 
-    from bert_recipes.perf import SyncAudit
+    from bert_recipes.sync_audit import SyncAudit
     writes = _repository_code(
         "def writes(x):\n"
         "    torch.as_tensor(False, dtype=torch.float64, device=x.device)\n"   # 1
@@ -145,7 +145,7 @@ def test_step_guard_counts_without_a_wait_or_a_write(decided):
     import torch
 
     from bert_recipes.guard import Diverged, StepGuard
-    from bert_recipes.perf import SyncAudit
+    from bert_recipes.sync_audit import SyncAudit
     guard = StepGuard(max_bad_steps=3)
     outcomes = [(1.5, False), (float("inf"), True), (1.2, False), (1.1, False), (float("nan"), True)]
     with SyncAudit(on_gpu=False) as audit:

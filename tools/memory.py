@@ -27,6 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # tools/measure.py, under a harness's runpy too
 
 from bert_recipes.activations import Shape, activation_bytes, workload_of  # noqa: E402
 from bert_recipes.backends.consistency import resolve_run  # noqa: E402
@@ -243,7 +244,7 @@ def print_measured(result: dict, b: int, s: int, out: str | None) -> None:
 def train_step(model, optimizer, accelerator, engine, batch: dict, probe: bool) -> dict:
     """measure's optimizer step on one batch; probe: also count the saved activations and the
     gradients held before the update. engine: DeepSpeed's (it backpropagates and steps itself)."""
-    from bert_recipes.measure import measure_activations, measure_states
+    from measure import measure_activations, measure_states
     batch = {k: v.to(accelerator.device) for k, v in batch.items()}
     found = {}
     if probe:
@@ -273,7 +274,7 @@ def measure(args, cfg) -> dict:
     from bert_recipes.backends.accelerator import build_accelerator
     from bert_recipes.backends.consistency import resolve_run
     from bert_recipes.backends.plan import launch_plan_here
-    from bert_recipes.measure import measure_states
+    from measure import measure_states
     from bert_recipes.modeling import build_model, model_config
     from bert_recipes.config import predictions_per_seq
     from bert_recipes.optim import build_optimizer

@@ -11,7 +11,7 @@ DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README
 - what engaged (describe_deepspeed; REPLACED, when Accelerate ran something else) and ZeRO-3's gathered weights (zero3_full_weights);
 - a failed save that must still meet DeepSpeed's own barrier (saved_meeting_the_barrier);
 - its step's result (deepspeed_step), its CPU Adam (cpu_adam), the fp32 master weights an export holds
-  (fp32_state_dict), and its `synchronize` for perf.SyncAudit to count (its own step's host waits are
+  (fp32_state_dict), and its `synchronize` for sync_audit.SyncAudit to count (its own step's host waits are
   listed in tests/deepspeed_syncs.py).
 
 No torch or deepspeed at import time: the consistency checks (preflight, make memory) import this file.
@@ -408,11 +408,11 @@ def fp32_state_dict(accelerator, unwrapped) -> dict:
             for name, v in unwrapped.state_dict(keep_vars=True).items()}
 
 
-# ---------------------------------------------------------------------------- host waits (perf.SyncAudit)
+# ---------------------------------------------------------------------------- host waits (sync_audit.SyncAudit)
 # The host waits DeepSpeed's own step makes are listed, each with its line, in tests/deepspeed_syncs.py: the
 # suite's allowlist, matched by DeepSpeed's files and functions (docs/backends.md, "The step and the host").
 def synchronize_owner() -> tuple:
     """DeepSpeed's accelerator and its `synchronize` (its throughput timer, its optimizer steps), for
-    perf.SyncAudit to count."""
+    sync_audit.SyncAudit to count."""
     from deepspeed.accelerator import get_accelerator
     return get_accelerator(), "synchronize"

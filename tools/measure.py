@@ -1,4 +1,5 @@
-"""What a real step holds, counted for the memory planner's tests and tools/memory.py --measure: the
+"""What a real step holds, counted for the memory planner's tests and tools/memory.py --measure (a tool, not part
+of a training run): the
 tensors autograd saves for backward (measure_activations, with torch.autograd.graph.saved_tensors_hooks,
 parameters and their views excluded) and the model states after a step (measure_states: parameters,
 gradients, optimizer states, each storage counted once)."""
