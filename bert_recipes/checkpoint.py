@@ -17,7 +17,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from .config import ConfigError, nearest_existing, path_kind, predated_rules
+from .config import ConfigError, nearest_existing, path_kind
 from .ranks import barrier, broadcast
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -260,7 +260,7 @@ _NOT_THE_RUN = {"checkpoint.resume", "run.overwrite", "run.output_dir", "train.h
 def config_differences(old_yaml: str, new_yaml: str) -> list[str]:
     """'section.key: old -> new' for every setting that differs (ignoring those that only steer
     this invocation: resume, overwrite, where the directory is, halt_at_step, the progress bar); a rule
-    the old config predates is one line in words, first (config.predated_rules)."""
+    the old config predates is one line in words, first (predated_rules)."""
     rules, changes = _differences(old_yaml, new_yaml)
     return rules + changes
 
@@ -274,6 +274,20 @@ def _differences(old_yaml: str, new_yaml: str) -> tuple[list[str], list[str]]:
     rules, explained = predated_rules(a, b)
     return rules, [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
                    if k not in _NOT_THE_RUN | explained and a.get(k) != b.get(k)]
+
+
+def predated_rules(old: dict, new: dict) -> tuple[list[str], set[str]]:
+    """A saved config (flat 'section.key' dicts, as config_differences reads them) from before a
+    key existed followed the rule of its time: -> (a line for each rule that changes from here on, the keys
+    those lines account for). A key it lacks that changes nothing is no difference either."""
+    key = "optim.lamb_trust_ratio"
+    if key in old or key not in new:
+        return [], set()
+    if "lamb" not in (old.get("optim.name"), new.get("optim.name")) or new[key] == "all":
+        return [], {key}   # AdamW has no trust ratio; "all" is the old rule
+    return [f"LAMB's trust ratio changed: the checkpoint was trained with it on every tensor (the rule before "
+            f"{key} existed, = all); from here on only where weight decay applies ({key}={new[key]}, apex "
+            f"FusedLAMB's and NVIDIA BERT's); --{key}=all keeps the old rule"], {key}
 
 
 def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, overwrite: bool) -> list[str]:

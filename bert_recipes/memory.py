@@ -21,12 +21,31 @@ No torch at import time (make memory plans in a fraction of a second).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from .activations import Shape, Workload, activation_bytes, workload_of
+from .backends.plan import backend_rows
 
 GiB = 1024 ** 3
-BACKENDS = ("ddp", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp", "pipeline")
+
+
+def planned_as(name: str) -> str | None:
+    """The planner's row for a backend named in LaunchPlan.name's vocabulary (ddp | fsdp | pipeline |
+    zero<stage> with -offload or -nvme): NVMe offload leaves the device as CPU offload does; None for what the
+    planner does not model (ZeRO-0, ZeRO-1 with offload, a name outside the vocabulary)."""
+    if name in ("ddp", "fsdp", "pipeline"):   # LaunchPlan.kind's engine families that are one row each
+        return name
+    zero = re.fullmatch(r"zero([123])(-offload|-nvme)?", name)
+    if zero is None or (zero[1] == "1" and zero[2]):
+        return None
+    return name.replace("-nvme", "-offload")
+
+
+# The planner's rows: the rows of accelerate_configs/backends.tsv (the one list of backends), in its order,
+# that are a row of their own here. A multi-node row (multinode, multinode-zero3) is planned per device as
+# its one-node twin and the NVMe row as its CPU-offload twin (planner_row), so neither adds a row.
+BACKENDS = tuple(name for name in backend_rows() if planned_as(name) == name)
 
 
 @dataclass
@@ -82,9 +101,9 @@ def replicas(backend: str, launch: Launch) -> int:
 
 
 def planner_row(plan) -> str | None:
-    """The BACKENDS row of a bert_recipes.backends.plan.LaunchPlan: NVMe offload leaves the device as CPU
-    offload does; None for a backend the planner does not model (ZeRO-0, ZeRO-1 with offload)."""
-    name = plan.name.replace("-nvme", "-offload")
+    """The BACKENDS row of a bert_recipes.backends.plan.LaunchPlan (planned_as its name); None for a backend
+    the planner does not model (ZeRO-0, ZeRO-1 with offload)."""
+    name = planned_as(plan.name)
     return name if name in BACKENDS else None
 
 

@@ -1,4 +1,4 @@
-"""The bad-input matrix generated from the config tree (bert_recipes/config.py), not picked by hand: for
+"""The bad-input matrix generated from the config tree (bert_recipes/config/schema.py), not picked by hand: for
 every key of every section a value of the wrong type; for every range (config._RANGES) a value just
 outside it at each end; for every path-valued key (config.PATH_KEYS) and train.py's --recipe, a missing
 path and a path of the wrong kind (a directory for a file, a file for a directory), and an unreadable one

@@ -127,11 +127,12 @@ def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datas
         GradientState._reset_state()
     calls = result["functions"]
     assert calls.count("bert_recipes/backends/consistency.py:check_consistency") == 1, calls
-    assert calls.count("bert_recipes/config.py:grad_accum_steps") == 1, calls
+    assert calls.count("bert_recipes/config/rules.py:grad_accum_steps") == 1, calls
     assert result["cycles"] == [] and "bert_recipes/engine.py" in result["files"]
-    # the whole tree goes only to what judges the recipe as a whole (docs/config.md): validate and its
-    # helpers, the preflight and the plan's checks, and the memory planner; the rest take their sections
-    judges = ("config.", "preflight.", "consistency.", "deepspeed.", "memory.", "activations.workload_of")
+    # the whole tree goes only to what judges the recipe as a whole (docs/config.md): validate and its helpers
+    # (config/rules.py, config/loading.py), the preflight and the plan's checks, and the memory planner; the rest
+    # take their sections
+    judges = ("rules.", "loading.", "preflight.", "consistency.", "deepspeed.", "memory.", "activations.workload_of")
     assert result["whole"] and all(f.startswith(judges) for f in result["whole"]), result["whole"]
     assert (tmp_path / "run" / "metrics.json").is_file()
 

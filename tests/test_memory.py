@@ -234,7 +234,8 @@ def test_planner_table_and_fit_verdict(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     rows = result["backends"]
-    assert set(rows) == {"ddp", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp", "pipeline"}
+    from bert_recipes.memory import BACKENDS   # the rows of accelerate_configs/backends.tsv the planner models
+    assert list(rows) == list(BACKENDS) and {"ddp", "zero1", "zero2", "zero3", "zero3-offload"} <= set(rows)
     # Sharding order: each ZeRO stage needs less per device than the one before.
     peak = {b: rows[b]["peak"] for b in rows}
     assert peak["ddp"] > peak["zero1"] > peak["zero2"] > peak["zero3"] > peak["zero3-offload"]

@@ -11,8 +11,8 @@ not a hand-over.
 - stops: the sequence of files they enter from another file (a call within one file, main to its
   own helpers, is no hand-over), consecutive repeats merged;
 - trips back up the layers: consecutive stops where the config goes from a lower layer to a higher
-  one (config.py > backends/plan.py, say), a layer being a file's height in our module-level imports
-  (config.py imports none of ours: 0; backends/plan.py imports config.py: 1; ...). A path that goes
+  one (config/readers.py > backends/plan.py, say), a layer being a file's height in our module-level imports
+  (config/readers.py imports none of ours: 0; backends/plan.py imports config/: higher; ...). A path that goes
   down once, train.py > engine > backend > config, has none; every bounce adds one;
 - cycles: calls into a file already on the call stack below the caller (a lower layer calling up);
 - whole: the functions below train.py that receive the whole Config rather than a section.

@@ -1,0 +1,184 @@
+"""The rules between values, checked before the run starts: batch arithmetic (global = micro x accumulation x
+world), the schedule's warnings, the settings derived from others (`resolve`), the ranges and relations
+(`validate`, with the numbers in the message), and the facts about a run's shapes that the engines read.
+"""
+from __future__ import annotations
+
+import math
+
+from ..metrics import available_metrics, default_metrics   # the metric scripts' names (stdlib only)
+from .readers import ConfigError
+from .schema import _RANGES, Config, TrainConfig
+
+
+
+
+# ---------------------------------------------------------------------------- relations
+def grad_accum_steps(train: TrainConfig, world_size: int) -> int:
+    """global = micro x accumulation x world; the global batch must divide evenly."""
+    per_step = train.micro_batch_size * world_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={train.micro_batch_size} x world_size={world_size} = {per_step}. "
+            f"Pick a global batch that is a multiple of {per_step}, or change the micro batch.")
+    return train.global_batch_size // per_step
+
+
+def optimizer_steps(train: TrainConfig, train_sequences: int, replicas: int, accum: int) -> tuple[int, int]:
+    """-> (steps per epoch, total steps), the same for every engine.
+
+    Each replica gets train_sequences // micro // replicas micro batches per epoch (drop_last,
+    sharded), and every optimizer step takes exactly `accum` of them: a step always sees the whole
+    global batch, so an epoch's incomplete last step is dropped, as drop_last drops an incomplete
+    micro batch. (The DeepSpeed pipeline cannot run a short step at all.)"""
+    batches_per_epoch = train_sequences // train.micro_batch_size // replicas
+    steps_per_epoch = batches_per_epoch // accum
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{train_sequences} training sequences cannot fill one optimizer step: "
+                          f"train.global_batch_size={train.global_batch_size} (micro {train.micro_batch_size} x "
+                          f"accum {accum} x {replicas} replicas). Use more data or a smaller global batch")
+    limits = [train.max_steps] if train.max_steps else []
+    if train.epochs is not None:
+        limits.append(math.ceil(train.epochs * steps_per_epoch))
+    return steps_per_epoch, min(limits)
+
+
+def schedule_warnings(cfg: Config, total_steps: int, slots: bool = True) -> list[str]:
+    """Legal but probably unintended: one line each. slots: the MLM head predicts K position slots (not
+    under the pipeline, whose head predicts every position)."""
+    o, t, out = cfg.optim, cfg.train, []
+    warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * total_steps)
+    if warmup >= total_steps:
+        out.append(f"[warning] the warmup ({warmup} steps) is not shorter than the run ({total_steps} steps): the lr "
+                   f"never reaches optim.lr={o.lr} and there is no decay; lower optim.warmup_steps / warmup_ratio")
+    if o.decay == "wsd" and o.wsd_decay_start is not None and o.wsd_decay_start >= total_steps:
+        out.append(f"[warning] optim.wsd_decay_start={o.wsd_decay_start} >= the run's {total_steps} steps: it never "
+                   "decays (resume it with a larger train.max_steps to decay)")
+    if cfg.checkpoint.save_every and cfg.checkpoint.save_every >= total_steps:
+        out.append(f"[warning] checkpoint.save_every={cfg.checkpoint.save_every} >= the run's {total_steps} steps: "
+                   "the only checkpoint is the final one")
+    if t.halt_at_step is not None and t.halt_at_step >= total_steps:
+        out.append(f"[warning] train.halt_at_step={t.halt_at_step} >= the run's {total_steps} steps: it never halts")
+    if t.eval_every is not None and t.eval_every >= total_steps:
+        then = "the only evaluation is the final one" if t.eval_final else "the run never evaluates (train.eval_final=false)"
+        out.append(f"[warning] train.eval_every={t.eval_every} >= the run's {total_steps} steps: {then}")
+    chosen = round(cfg.data.mlm_probability * cfg.data.max_seq_length)
+    k = cfg.data.max_predictions_per_seq if cfg.task.kind == "mlm" else None
+    if slots and isinstance(k, int) and k > max(1, chosen):   # slots: the pipeline's head predicts every position
+        out.append(f"[warning] data.max_predictions_per_seq={k}, but at most round(data.mlm_probability x "
+                   f"data.max_seq_length) = {max(1, chosen)} tokens of a sequence are chosen: {k - max(1, chosen)} of "
+                   f"its {k} slots are always empty (the head computes them for nothing); set it to {max(1, chosen)} or auto")
+    return out
+
+
+# The keys that name paths (and train.py's --recipe), and what the run does with each: bert_recipes.preflight
+# checks every one before a rank starts; the generated bad-input matrix tries a path of each wrong kind.
+# "read dir or hub": a local directory, or a Hub id where the value cannot be a path (preflight.looks_local).
+PATH_KEYS = {
+    "recipe": "read file",
+    "run.output_dir": "write dir",
+    "model.name_or_path": "read dir or hub",
+    "tokenizer.name_or_path": "read dir or hub",
+    "data.prepared_dir": "read dir",
+    "data.train_files": "read files",
+    "data.validation_files": "read files",
+    "data.cache_dir": "write dir",
+    "data.sample_dir": "write dir",
+    "checkpoint.resume": "read dir",
+}
+
+
+def predictions_per_seq(cfg: Config) -> int | None:
+    """K of data.max_predictions_per_seq ("auto": round(mlm_probability x max_seq_length)); None: the
+    per-token Bernoulli choice, or not MLM."""
+    d = cfg.data
+    if cfg.task.kind != "mlm":
+        return None
+    if d.max_predictions_per_seq == "auto" or (d.max_predictions_per_seq is None and cfg.train.compile):
+        return max(1, round(d.mlm_probability * d.max_seq_length))
+    return d.max_predictions_per_seq
+
+
+def packed_dropout_here(impl: str, compile: bool, device_type: str) -> bool:
+    """Does this run draw packed dropout masks? model.dropout_impl=packed, on a CPU, without
+    train.compile. The run (build_model, with plan.on_gpu's device) and the memory planner
+    (bert_recipes.activations, with the device it plans for) both ask this; the device is an input."""
+    return impl == "packed" and device_type == "cpu" and not compile
+
+
+def padded_batches(cfg: Config) -> bool:
+    """Are this run's batches padded (lengths that vary, an attention mask)? Packed MLM blocks are not."""
+    return cfg.task.kind != "mlm" or not cfg.data.packing
+
+
+def repeating_shapes(cfg: Config) -> bool:
+    """Do the training batches take a fixed set of shapes (so torch.compile can compile each once, with
+    dynamic=False)? Packed MLM blocks with K predictions (or the dense head) have one shape; padded
+    batches repeat only with length bins (data.length_bins, once resolved to a number)."""
+    if padded_batches(cfg):
+        return isinstance(cfg.data.length_bins, int) and cfg.data.length_bins > 0
+    return cfg.task.kind != "mlm" or cfg.data.max_predictions_per_seq is not None or not cfg.model.sparse_mlm_head
+
+
+def resolve(cfg: Config) -> list[str]:
+    """Settings derived from others, filled in before the run starts; -> one note per setting."""
+    notes = []
+    d, was = cfg.data, cfg.data.max_predictions_per_seq
+    d.max_predictions_per_seq = predictions_per_seq(cfg)
+    if d.max_predictions_per_seq is not None and d.max_predictions_per_seq != was:
+        why = "train.compile needs static shapes" if was is None else "auto"
+        notes.append(f"[config] data.max_predictions_per_seq={d.max_predictions_per_seq} ({why}: round("
+                     f"{d.mlm_probability} x {d.max_seq_length}) tokens predicted per sequence, static shapes)")
+    return notes
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no hardware knowledge; world-size checks happen in grad_accum_steps."""
+    for rule in _RANGES:
+        section, name = rule.key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not rule.ok(value):
+            raise ConfigError(f"{rule.key}={value} is not allowed: it must be {rule.must()}")
+    t, d, m = cfg.train, cfg.data, cfg.model
+    if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                          f"train.micro_batch_size={t.micro_batch_size}")
+    o = cfg.optim
+    if o.decay == "wsd" and o.wsd_decay_start is not None and (o.warmup_steps or 0) > o.wsd_decay_start:
+        raise ConfigError(f"optim.wsd_decay_start={o.wsd_decay_start} falls inside the warmup "
+                          f"(optim.warmup_steps={o.warmup_steps}): set it to at least {o.warmup_steps}")
+    if t.max_steps is None and t.epochs is None:
+        raise ConfigError("set train.max_steps and/or train.epochs: the run needs an end")
+    if d.max_seq_length > m.max_position_embeddings and m.name_or_path is None:
+        raise ConfigError(f"data.max_seq_length={d.max_seq_length} exceeds "
+                          f"model.max_position_embeddings={m.max_position_embeddings}")
+    if m.name_or_path is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
+                          f"model.num_attention_heads={m.num_attention_heads}")
+    if d.source == "hub" and not d.dataset_name:
+        raise ConfigError("data.source=hub needs data.dataset_name (e.g. wikitext or glue)")
+    if d.source == "prepared" and not d.prepared_dir:
+        raise ConfigError("data.source=prepared needs data.prepared_dir (a directory written by make prepare)")
+    if d.source == "files" and not d.train_files:
+        raise ConfigError("data.source=files needs data.train_files")
+    if cfg.task.kind == "classification":
+        if m.name_or_path is None and cfg.tokenizer.name_or_path is None:
+            raise ConfigError("classification needs a tokenizer: set model.name_or_path (a pretrained "
+                              "or exported model) or tokenizer.name_or_path")
+        if cfg.task.label_names and len(cfg.task.label_names) != cfg.task.num_labels:
+            raise ConfigError(f"task.label_names has {len(cfg.task.label_names)} names but "
+                              f"task.num_labels={cfg.task.num_labels}")
+    for name in cfg.task.metrics or []:
+        if name not in available_metrics():
+            raise ConfigError(f"task.metrics: unknown metric '{name}' (available: {available_metrics()})")
+    if cfg.data.test_splits and cfg.task.kind != "classification":
+        raise ConfigError("data.test_splits: test predictions are for classification tasks (task.kind=classification)")
+    best = cfg.checkpoint.metric_for_best
+    reported = (["eval_loss", "perplexity", "mlm_accuracy"] if cfg.task.kind == "mlm" else
+                list(cfg.task.metrics or default_metrics(cfg.task.num_labels)) + (["eval_loss"] if cfg.task.num_labels == 1 else []))
+    if best is not None and best not in reported:
+        raise ConfigError(f"checkpoint.metric_for_best={best} is not among this task's evaluation metrics {reported}")
+    if cfg.checkpoint.push_to_hub and not (cfg.checkpoint.hub_model_id and cfg.checkpoint.export):
+        raise ConfigError("checkpoint.push_to_hub needs checkpoint.hub_model_id (user-or-org/name) and "
+                          "checkpoint.export: true")
