@@ -1,7 +1,9 @@
 """The Accelerate engine (DDP, ZeRO-1/2/3 with offload, FSDP2) and the choice between it and
 DeepSpeed's pipeline engine (bert_recipes/pipeline.py). Both implement the interface in
-bert_recipes/interface.py (`Engine`: every method and attribute train.py uses, with its contract);
-train.py's loop names no backend.
+bert_recipes/interface.py (`Engine`: every method and attribute train.py uses, with its contract).
+An engine keeps what differs between backends: wrap, prepare, batches, evaluate, save, load, export,
+describe. The step is train.py's (train_step), which reads this engine's accelerator, model,
+optimizer and scheduler; train.py's loop names no backend.
 """
 from __future__ import annotations
 
