@@ -59,7 +59,7 @@ def resolve_entries(entries: list[str], key: str) -> list[str]:
             continue
         if kind == "missing" and not contains_wildcards(entry):
             raise ConfigError(f"{key}: data file not found: {entry}")
-        base, pattern = (str(Path(entry).expanduser().resolve()), "**") if kind == "dir" else (cwd, entry)
+        base, pattern = (str(Path(entry).expanduser().resolve()), "**") if kind == "dir" else (cwd, os.path.expanduser(entry))
         try:
             matched = resolve_pattern(pattern, base_path=base, allowed_extensions=_allowed())
         except FileNotFoundError:

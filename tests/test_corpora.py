@@ -154,3 +154,18 @@ def test_a_corpus_that_cannot_be_read_is_one_line(build, corpus, tmp_path, sampl
     line = refused_in_process(argv, out, capsys)
     assert expected in line, line
     assert not out.exists()
+
+
+def test_under_two_processes_a_corrupt_shard_is_one_line_from_rank_0(corpus, tmp_path, sample_dir, datasets_cache,
+                                                                     shared_tokenizer):
+    """The corrupt file is found where rank 0 reads the data (the others wait for it): one line in the job's
+    log, every rank exits 2, no traceback from train.py, no output directory."""
+    from conftest import REPO, launch_script
+    entries, expected = _corrupt(tmp_path, corpus)
+    out = tmp_path / "out"
+    args = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.train_files": files_arg(entries)})]
+    log = launch_script("train.py", args, 2, check=False)
+    assert log.count("config error:") == 1 and expected in log, log[-3000:]
+    assert "exitcode  : 2" in log and f'File "{REPO / "train.py"}"' not in log, log[-3000:]
+    assert not out.exists()
