@@ -272,7 +272,7 @@ def _differences(old_yaml: str, new_yaml: str) -> tuple[list[str], list[str]]:
                       for k, v in section.items()}
     a, b = flat(old), flat(new)
     rules, explained = predated_rules(a, b)
-    return rules, [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+    return rules, [f"{k}: {_shown(a.get(k))} -> {_shown(b.get(k))}" for k in sorted(set(a) | set(b))
                    if k not in _NOT_THE_RUN | explained and a.get(k) != b.get(k)]
 
 
@@ -288,6 +288,14 @@ def predated_rules(old: dict, new: dict) -> tuple[list[str], set[str]]:
     return [f"LAMB's trust ratio changed: the checkpoint was trained with it on every tensor (the rule before "
             f"{key} existed, = all); from here on only where weight decay applies ({key}={new[key]}, apex "
             f"FusedLAMB's and NVIDIA BERT's); --{key}=all keeps the old rule"], {key}
+
+
+def _shown(value) -> str:
+    """A setting as a change names it; a long list (data files resolved from a pattern: hundreds of shards) by
+    its length and its ends."""
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{len(value)} items: {value[0]!r}, ..., {value[-1]!r}]"
+    return repr(value)
 
 
 def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, overwrite: bool) -> list[str]:

@@ -21,7 +21,8 @@ from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
 from .checkpoint import check_output_dir, check_resume_path, check_writable_dir, unwritable_default
 from .config import Config, ConfigError, padded_batches, parse_train_args, path_kind, resolve, to_yaml, validate
-from .sources import check_data_files, check_prepared_dir
+from .corpora import FILE_KEYS, resolve_into
+from .sources import check_prepared_dir
 
 
 def looks_local(name: str) -> bool:
@@ -29,9 +30,10 @@ def looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
-def check_paths(cfg: Config) -> None:
+def check_paths(cfg: Config) -> list[str]:
     """The local paths the run reads: model and tokenizer directories, data files, prepared data, the
-    checkpoint to resume."""
+    checkpoint to resume. Data files given by pattern or directory are resolved into the config here
+    (bert_recipes/corpora.py). -> the lines that say which files the run reads."""
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("tokenizer.name_or_path", cfg.tokenizer.name_or_path)):
         if name:
             path_kind(Path(name) / "config.json", key)   # a directory this user may not look into: one line
@@ -41,11 +43,22 @@ def check_paths(cfg: Config) -> None:
         if name and looks_local(name) and not Path(name).expanduser().is_dir():
             raise ConfigError(f"{key}={name}: cannot load it: no such directory (give a Hugging Face model directory, "
                               "such as an export's model/, or a Hub name)")
-    if cfg.data.source == "files":
-        check_data_files(cfg.data)
+    notes = []
+    if cfg.data.source == "files":   # the checkpoint's lists: a resume reads the files its run read
+        notes = resolve_into(cfg.data, {k: _resumed_files(cfg, k) for k in FILE_KEYS})
     if cfg.data.source == "prepared":
         check_prepared_dir(cfg.data)
     check_resume_path(cfg.checkpoint.resume)
+    return notes
+
+
+def _resumed_files(cfg: Config, key: str) -> list[str] | None:
+    """The list a key held in the config of the checkpoint this run resumes; None when there is none (or it
+    cannot be read: check_resume_path says why, next)."""
+    try:
+        return resumed_setting(cfg, "data", key.split(".")[1]) if cfg.checkpoint.resume else None
+    except (OSError, ValueError):
+        return None
 
 
 def check_caches(cfg: Config, env=os.environ) -> None:
@@ -93,7 +106,7 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
         raise ConfigError("model.dropout_impl=packed is for CPUs (it replaces a CPU's slow serial dropout masks); "
                           "on GPUs torch's fused dropout is the fast one: use model.dropout_impl=torch")
     resolve_run(cfg, plan, world_size)   # world, accumulation, precision, TF32, masks; recipe vs launch files
-    check_paths(cfg)
+    notes += check_paths(cfg)
     # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
     notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
     check_caches(cfg)

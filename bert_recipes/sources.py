@@ -12,38 +12,16 @@ import shutil
 from pathlib import Path
 
 from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig, first_line, path_kind
+from .corpora import check_kinds, corrupt_file, resolve_data_files
 from .rank0 import on_rank0
 from .tokenizing import TOKENIZE_VERSION
 
 
-_FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
-                  ".csv": "csv", ".parquet": "parquet"}
-
-
 def check_data_files(data: DataConfig) -> dict[str, list[str]]:
-    """data.source=files: every file exists and has bytes. -> {'train': [...], 'validation': [...]}"""
-    files = {"train": list(data.train_files or [])}
-    if data.validation_files:
-        files["validation"] = list(data.validation_files)
-    for key, paths in (("data.train_files", files["train"]), ("data.validation_files", files.get("validation", []))):
-        for f in paths:
-            kind = path_kind(f, key)
-            if kind == "dir":
-                raise ConfigError(f"{key}: {f} is a directory, not a data file: list its files (e.g. [{f}/train.txt])")
-            if kind == "missing":
-                raise ConfigError(f"{key}: data file not found: {f}")
-            if not os.access(f, os.R_OK):
-                raise ConfigError(f"{key}={f} cannot be read (permission denied): give a file this user can read")
-            if Path(f).stat().st_size == 0:
-                raise ConfigError(f"{key}: {f} is empty; give a file with rows")
-    return files
-
-
-def _builder_for(files: list[str]) -> str:
-    kinds = {_FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise ConfigError(f"data files {files}: use one of the formats {sorted(_FILE_BUILDERS)} (all the same)")
-    return kinds.pop()
+    """data.source=files: every entry (a file, a directory, a glob pattern; compressed or not) resolved through
+    datasets (bert_recipes/corpora.py), every file readable, with bytes, of one format.
+    -> {'train': [...], 'validation': [...]}"""
+    return resolve_data_files(data)
 
 
 def load_raw(data: DataConfig, task: TaskConfig, seed: int):
@@ -65,15 +43,21 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
         raw = load_dataset(data.dataset_name, data.dataset_config, cache_dir=data.cache_dir)
     else:
         files = check_data_files(data)
+        every = sum(files.values(), [])
+        builder = check_kinds(every)
         try:
-            raw = load_dataset(_builder_for(sum(files.values(), [])), data_files=files, cache_dir=data.cache_dir)
-        except Exception as err:   # pyarrow / pandas parse errors, a header without rows, files that disagree
-            cause = err
+            raw = load_dataset(builder, data_files=files, cache_dir=data.cache_dir)
+        except Exception as err:   # pyarrow / pandas parse errors, a header without rows, files that disagree,
+            cause = err            # a corrupt compressed file
             while cause.__cause__ is not None or cause.__context__ is not None:
                 cause = cause.__cause__ or cause.__context__
-            raise ConfigError(f"data files {sum(files.values(), [])} cannot be read as "
-                              f"{_builder_for(sum(files.values(), []))} ({type(cause).__name__}: {first_line(cause)}); "
-                              "all files need the same columns and at least one row") from None
+            corrupt = corrupt_file(every)
+            if corrupt:
+                key = "data.train_files" if corrupt.split(" is a corrupt")[0] in files["train"] else "data.validation_files"
+                raise ConfigError(f"{key}: {corrupt}: replace it with a good copy, or leave it out") from None
+            shown = every if len(every) <= 4 else f"[{every[0]}, ... {len(every) - 2} more ..., {every[-1]}]"
+            raise ConfigError(f"data files {shown} cannot be read as {builder} ({type(cause).__name__}: "
+                              f"{first_line(cause)}); all files need the same columns and at least one row") from None
 
     if data.train_split not in raw:
         raise ConfigError(f"data.train_split='{data.train_split}' not in the dataset's splits {list(raw)}")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")   # one process: let the Rust tokenizer use the cores
 
 from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
+from bert_recipes.corpora import resolve_into   # noqa: E402
 from bert_recipes.data import prepare_data   # noqa: E402
 from bert_recipes.sources import PREPARED_META, prepared_signature   # noqa: E402
 
@@ -127,7 +128,8 @@ def prepare(cfg, out: Path) -> dict:
         tokenized_s = time.perf_counter() - t0
         data.save_to_disk(str(tmp / "data"))
         tokenizer.save_pretrained(tmp / "tokenizer")
-    meta = {"signature": signature, "label_names": cfg.task.label_names, "test_index": test_index,
+    meta = {"signature": signature, "data_files": {"train": cfg.data.train_files, "validation": cfg.data.validation_files},
+            "label_names": cfg.task.label_names, "test_index": test_index,
             "splits": {k: len(v) for k, v in data.items()},
             "tokens": {k: len(v) * cfg.data.max_seq_length for k, v in data.items()} if cfg.data.packing else None,
             "seconds": {"tokenize_and_pack": round(tokenized_s, 1), "total": round(time.perf_counter() - t0, 1)},
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
         validate(cfg)
         if cfg.data.source == "prepared":
             raise ConfigError("data.source=prepared: that recipe reads prepared data; prepare from its source")
+        for line in resolve_into(cfg.data):   # patterns and directories: the files, as a run resolves them
+            print(line, flush=True)
         meta = prepare(cfg, Path(args.out))
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)

@@ -143,7 +143,8 @@ class TokenizerConfig:
 class DataConfig:
     source: Literal["sample", "hub", "files", "prepared"] = "sample"
     """sample: the embedded stdlib-docs sample. hub: datasets.load_dataset(dataset_name, dataset_config).
-    files: local train_files / validation_files (text, json/jsonl, csv or parquet)."""
+    files: local train_files / validation_files (text, json/jsonl, csv or parquet; plain or .gz/.bz2/.xz; each entry a
+    file, a directory or a glob pattern, resolved into the run's config: bert_recipes/corpora.py)."""
     prepared_dir: Optional[str] = None
     """source: prepared: a directory written by `make prepare` (tools/prepare.py): the tokenized,
     packed splits, memory-mapped by every rank, and the tokenizer; training starts in seconds."""

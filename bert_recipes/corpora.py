@@ -1,0 +1,180 @@
+"""Data files as corpora ship: many shards, compressed, named by a glob pattern or a directory. Each entry of
+data.train_files / data.validation_files is resolved by `datasets` itself (datasets.data_files.resolve_pattern,
+the glob `load_dataset` uses), once, before a rank starts: the resolved list replaces the entries in the run's
+resolved config, so a resume reads the same files in the same order, and datasets' cache (keyed by each file's
+path and mtime) follows the files, never the pattern's text. No torch at import time.
+
+    an existing file     read as it is (the form every list had before)
+    a directory          every file of the kinds below under it, at any depth (datasets' `**`), sorted by path
+    a glob pattern       its matches (datasets' glob: `*` within a directory, `**` across them), sorted by path
+    compressed           .gz, .bz2, .xz (Python's own codecs); .zst when the zstandard package is installed
+
+Hidden files (a leading dot) are skipped, as datasets skips them. The entries' order is kept: a list
+[shards/*.txt.gz, extra.txt] reads the shards in sorted order, then extra.txt.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from .config import ConfigError, DataConfig, first_line, path_kind
+
+FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# suffix -> (what it is, the module fsspec/datasets decompress it with). Parquet compresses inside its own
+# pages: a compressed parquet file is refused.
+COMPRESSIONS = {".gz": ("gzip", "gzip"), ".bz2": ("bzip2", "bz2"), ".xz": ("xz", "lzma"), ".zst": ("zstd", "zstandard")}
+FILE_KEYS = ("data.train_files", "data.validation_files")
+
+
+def kind_of(path: str) -> tuple[str | None, str | None]:
+    """-> (datasets builder, compression) from the file's name: part-00000.txt.gz -> ("text", "gzip")."""
+    name = Path(path).name.lower()
+    compression = next((c for s, (c, _) in COMPRESSIONS.items() if name.endswith(s)), None)
+    if compression:
+        name = name[:name.rfind(".")]
+    return FORMATS.get(Path(name).suffix), compression
+
+
+def readable_compressions() -> list[str]:
+    """The compressed suffixes this installation decompresses (.zst only with the zstandard package)."""
+    return [s for s, (_, module) in COMPRESSIONS.items() if importlib.util.find_spec(module) is not None]
+
+
+def _allowed() -> list[str]:
+    return list(FORMATS)   # resolve_pattern keeps a name with any of these among its suffixes: a.txt.gz too
+
+
+def resolve_entries(entries: list[str], key: str) -> list[str]:
+    """Each entry -> the files it names, through datasets' resolve_pattern; every pattern or directory must
+    name at least one file. Paths of relative entries stay relative to the working directory."""
+    from datasets.data_files import contains_wildcards, resolve_pattern
+
+    cwd = os.getcwd()
+    out = []
+    for entry in entries:
+        kind = path_kind(entry, key)
+        if kind == "file":
+            out.append(entry)
+            continue
+        if kind == "missing" and not contains_wildcards(entry):
+            raise ConfigError(f"{key}: data file not found: {entry}")
+        base, pattern = (str(Path(entry).expanduser().resolve()), "**") if kind == "dir" else (cwd, os.path.expanduser(entry))
+        try:
+            matched = resolve_pattern(pattern, base_path=base, allowed_extensions=_allowed())
+        except FileNotFoundError:
+            kinds = f"{sorted(FORMATS)}, or those compressed ({', '.join(readable_compressions())})"
+            if kind == "dir":
+                raise ConfigError(f"{key}: {entry} is a directory without a data file of the kinds datasets reads "
+                                  f"here ({kinds}): give a directory of data files, or the files") from None
+            raise ConfigError(f"{key}: the pattern {entry} matches no data file of the kinds datasets reads here "
+                              f"({kinds}): check it (datasets' glob: * within a directory, ** across them)") from None
+        absolute = Path(entry).expanduser().is_absolute()
+        out += sorted(m if absolute else os.path.relpath(m, cwd) for m in matched)
+    return out
+
+
+def check_kinds(files: list[str]) -> str:
+    """One format for every file of a run (datasets reads them with one builder), each compression one this
+    installation can decompress. -> the builder."""
+    by_kind: dict[str, list[str]] = {}
+    for f in files:
+        builder, compression = kind_of(f)
+        if builder is None:
+            raise ConfigError(f"data file {f}: use one of the formats {sorted(FORMATS)} (all the same), plain or "
+                              f"compressed ({', '.join(readable_compressions())})")
+        if compression and builder == "parquet":
+            raise ConfigError(f"data file {f}: parquet compresses inside the file; give the .parquet file itself")
+        module = next(m for c, m in COMPRESSIONS.values() if c == compression) if compression else None
+        if module and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"data file {f}: reading {compression} needs the {module} package, which is not "
+                              f"installed: pip install {module}, or decompress the file")
+        by_kind.setdefault(builder, []).append(f)
+    if len(by_kind) > 1:
+        shown = "; ".join(f"{b}: {len(fs)} file{'s' * (len(fs) > 1)}, e.g. {fs[0]}" for b, fs in sorted(by_kind.items()))
+        raise ConfigError(f"data files of different formats in one run ({shown}): datasets reads a run's files "
+                          "with one builder; give files of one format (convert the others)")
+    return next(iter(by_kind))
+
+
+def resolve_data_files(data: DataConfig) -> dict[str, list[str]]:
+    """data.source=files: every entry resolved, every file readable and not empty, one format.
+    -> {'train': [...], 'validation': [...]} (no 'validation' without data.validation_files)."""
+    files = {"train": resolve_entries(list(data.train_files or []), "data.train_files")}
+    if data.validation_files:
+        files["validation"] = resolve_entries(list(data.validation_files), "data.validation_files")
+    for key, paths in zip(FILE_KEYS, (files["train"], files.get("validation", []))):
+        for f in paths:
+            if not os.access(f, os.R_OK):
+                raise ConfigError(f"{key}={f} cannot be read (permission denied): give a file this user can read")
+            if Path(f).stat().st_size == 0:
+                raise ConfigError(f"{key}: {f} is empty; give a file with rows")
+    check_kinds(sum(files.values(), []))
+    return files
+
+
+def describe(files: list[str], key: str) -> str:
+    """One line: count, total size, first and last names."""
+    size = sum(Path(f).stat().st_size for f in files)
+    compressed = sorted({c for c in (kind_of(f)[1] for f in files) if c})
+    names = files[0] if len(files) == 1 else f"{files[0]} ... {files[-1]}"
+    return (f"[data] {key}: {len(files)} file{'s' * (len(files) > 1)}, {_size(size)} on disk"
+            f"{' (' + ', '.join(compressed) + ')' if compressed else ''}: {names} (each pattern's and directory's "
+            "files sorted by path; written into the run's config)")
+
+
+def _size(n_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n_bytes < 1024 or unit == "TiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+
+
+def resolve_into(data: DataConfig, checkpoint_files: dict[str, list | None] | None = None) -> list[str]:
+    """Resolve data.train_files / data.validation_files and write the lists into `data`, so the run's
+    resolved config holds them. A resume whose entries now name more files than the checkpoint's run
+    read (a shard added to the directory) reads the checkpoint's files, in their order, with one line.
+    -> the lines to print."""
+    if data.source != "files":
+        return []
+    given = {"train": list(data.train_files or []), "validation": list(data.validation_files or [])}
+    files = resolve_data_files(data)
+    notes = []
+    for split, key in zip(("train", "validation"), FILE_KEYS):
+        if split not in files:
+            continue
+        now, before = files[split], (checkpoint_files or {}).get(key) or []
+        grown = [f for f in now if f not in set(before)]
+        by_pattern = any(not Path(e).expanduser().is_file() for e in given[split])
+        keep = by_pattern and before and grown and set(before) <= set(now) and all(Path(f).is_file() for f in before)
+        if keep:
+            files[split] = list(before)
+        notes.append(describe(files[split], key))
+        if keep:
+            notes.append(f"[resume] {key}: {given[split]} now names {len(grown)} file{'s' * (len(grown) > 1)} the "
+                         f"checkpoint's run did not read ({grown[0]}{' ...' if len(grown) > 1 else ''}): the resume "
+                         f"reads that run's {len(before)} files, in their order; to train on the new ones, start a "
+                         "new run (another run.output_dir, or --run.overwrite=true)")
+    data.train_files = files["train"]
+    if "validation" in files:
+        data.validation_files = files["validation"]
+    return notes
+
+
+def corrupt_file(files: list[str]) -> str | None:
+    """After datasets failed to read the files: the first compressed file that does not decompress, with
+    where it breaks (decompressed through fsspec, datasets' own opener). None when every one does."""
+    import fsspec
+    for f in files:
+        if not kind_of(f)[1]:
+            continue
+        done, lines = 0, 0
+        try:
+            with fsspec.open(f, "rb", compression="infer") as stream:
+                while chunk := stream.read(1 << 16):   # 64 KiB: where it breaks, to within one read
+                    done += len(chunk)
+                    lines += chunk.count(b"\n")
+        except Exception as err:   # gzip.BadGzipFile, EOFError, lzma.LZMAError, OSError: every codec has its own
+            return (f"{f} is a corrupt {kind_of(f)[1]} file ({type(err).__name__}: {first_line(err)}), in its "
+                    f"decompressed bytes from {done} on (line {lines + 1})")
+    return None
