@@ -301,6 +301,44 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
     return []
 
 
+# What gives a model's tensors their shapes: a checkpoint written under other values cannot be loaded into this
+# run's model (torch's size mismatch, after the data was prepared). The vocabulary size counts only for a
+# tokenizer trained here; the dropouts, the attention implementation and the rest do not change a shape.
+# Not tokenizer.name_or_path: a resume may name the run's own saved tokenizer (<output_dir>/tokenizer) where the
+# first run trained it, the same vocabulary under another path (tools/gpu_smoke.py's resume does).
+SHAPE_KEYS = ("model.name_or_path", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
+              "model.intermediate_size", "model.max_position_embeddings", "tokenizer.vocab_size", "task.kind",
+              "task.num_labels")
+
+
+def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
+    """The checkpoint a run resumes against this run's model shape (SHAPE_KEYS, from the resolved config
+    saved beside it), before any tensor is loaded: one line naming every differing field with both values,
+    and the two ways out. Warm-starting from an export (model.name_or_path) is not a resume: not checked."""
+    import yaml
+    if checkpoint is None or not (Path(checkpoint) / CONFIG_FILE).is_file():
+        return
+    old, new = (yaml.safe_load(text) or {} for text in ((Path(checkpoint) / CONFIG_FILE).read_text(), config_yaml))
+    value = lambda d, key: (d.get(key.split(".")[0]) or {}).get(key.split(".")[1])   # noqa: E731
+    trained_here = lambda d: (value(d, "tokenizer.name_or_path") is None   # noqa: E731
+                              and value(d, "model.name_or_path") is None)
+    keys = [k for k in SHAPE_KEYS if k != "tokenizer.vocab_size" or trained_here(old) and trained_here(new)]
+    differ = [f"{k}: {value(old, k)!r} in the checkpoint, {value(new, k)!r} now" for k in keys
+              if value(old, k) != value(new, k)]
+    if differ:
+        raise ConfigError(f"checkpoint.resume: {checkpoint} holds a model of another shape than this run's ("
+                          f"{'; '.join(differ)}): resume it with the config it was saved with "
+                          f"({Path(checkpoint) / CONFIG_FILE}), or start a new run in another run.output_dir "
+                          "(or this one, without --resume, with --run.overwrite=true)")
+
+
+def resumed_checkpoint(output_dir: str | Path, resume: str | None) -> Path | None:
+    """The checkpoint a resume would start from, as preflight sees it (auto: the latest complete one)."""
+    if resume == "auto":
+        return (complete_checkpoints(output_dir)[-1:] or [None])[0]
+    return Path(resume) if resume else None
+
+
 def check_writable_dir(path: Path, key: str) -> None:
     """`path` is a directory, or can be made one: its nearest existing ancestor is a writable directory."""
     path = Path(path)
@@ -374,8 +412,10 @@ def check_shared_output_dir(output_dir: Path, engine) -> None:
     from .guard import all_max
     marker = output_dir.parent / f".{output_dir.name}.shared-check-{engine.broadcast(secrets.token_hex(8))}"
     if engine.is_main:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        from .places import creating
+        with creating("run.output_dir", output_dir):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
     engine.barrier()
     blind = int(all_max([float(not marker.exists())], engine.control)[0])
     engine.barrier()

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
-from .checkpoint import check_output_dir, check_resume_path, check_writable_dir, unwritable_default
+from .checkpoint import (check_checkpoint_fits, check_output_dir, check_resume_path, check_writable_dir,
+                         resumed_checkpoint, unwritable_default)
 from .config import Config, ConfigError, padded_batches, parse_train_args, path_kind, resolve, to_yaml, validate
+from .places import check_path_names
 from .sources import check_data_files, check_prepared_dir
 
 
@@ -31,7 +33,8 @@ def looks_local(name: str) -> bool:
 
 def check_paths(cfg: Config) -> None:
     """The local paths the run reads: model and tokenizer directories, data files, prepared data, the
-    checkpoint to resume."""
+    checkpoint to resume. First, that each can exist at all: no name over its filesystem's limits."""
+    check_path_names(cfg, ("read",))
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("tokenizer.name_or_path", cfg.tokenizer.name_or_path)):
         if name:
             path_kind(Path(name) / "config.json", key)   # a directory this user may not look into: one line
@@ -82,8 +85,10 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
       1. the recipe and its overrides (their types, ranges and relations: validate, resolve);
       2. the launch files (the accelerate YAML and DeepSpeed JSON, as their libraries read them: plan.py)
          against the recipe, and the recipe against the device (resolve_run and the checks around it);
-      3. the paths the run reads (model, tokenizer, data, the checkpoint to resume);
-      4. the places it writes: the output directory (another run's checkpoints in it) and the caches.
+      3. the paths the run reads (model, tokenizer, data, the checkpoint to resume): first that no name is over
+         its filesystem's limits (places.check_path_names), then that each is there and of its kind;
+      4. the places it writes: their names' limits, the output directory (another run's checkpoints in it, a
+         checkpoint of another model shape: checkpoint.check_checkpoint_fits) and the caches.
     A mistake in what was written makes the later checks moot (a fixed recipe may point elsewhere), and the
     disk's state is read last because fixing an earlier mistake often changes it (another output_dir)."""
     validate(cfg)
@@ -94,8 +99,11 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
                           "on GPUs torch's fused dropout is the fast one: use model.dropout_impl=torch")
     resolve_run(cfg, plan, world_size)   # world, accumulation, precision, TF32, masks; recipe vs launch files
     check_paths(cfg)
+    check_path_names(cfg, ("write",))   # before anything is created: no parent directory made for nothing
     # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
     notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
+    # a checkpoint of another model shape: one line now, not torch's size mismatch after the data is prepared
+    check_checkpoint_fits(resumed_checkpoint(cfg.run.output_dir, cfg.checkpoint.resume), to_yaml(cfg))
     check_caches(cfg)
     return notes
 
