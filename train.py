@@ -441,8 +441,8 @@ def export(run: Run, card: str) -> Path:
 
 
 def run_cli(argv: list[str] | None = None) -> int:
-    """train.py's command line: main, and its exit codes with their one-line messages (cli.run_train)."""
-    from bert_recipes.cli import run_train
+    """train.py's command line: main, and its exit codes with their one-line messages (exits.run_train)."""
+    from bert_recipes.exits import run_train
     return run_train(argv, main)
 
 

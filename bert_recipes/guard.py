@@ -258,7 +258,7 @@ class Interruption:
     peer left on the same Ctrl-C fails with gloo's error, which is this interruption too, not a lost rank."""
 
     def __init__(self):
-        self.stage, self.received = "start-up", False
+        self.stage, self.received, self.hook = "start-up", False, None
 
     def at(self, stage: str) -> None:
         self.stage = stage
@@ -269,26 +269,28 @@ class Interruption:
         # The unwinding closes the libraries' generators half-way, and Python reports what their cleanup raised as
         # "Exception ignored in: <generator ...>" with a traceback (datasets 4's split writer: "generator ignored
         # GeneratorExit", seen 2026-12-03): consequences of this Ctrl-C, already said in one line.
+        self.hook = self.hook or sys.unraisablehook
         sys.unraisablehook = lambda unraisable: None
         raise KeyboardInterrupt
 
     def install(self):
+        import sys
         self.stage, self.received = "start-up", False   # a new run (tests run several in one process)
+        if self.hook is not None:   # the previous run's Ctrl-C silenced the reports: this run's are heard again
+            sys.unraisablehook, self.hook = self.hook, None
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._handler)
         return self
 
-    def line(self, output_dir, resume: str | None) -> str:
-        """What to do next: rerun the same command, or, where it left a checkpoint (the same command would
-        then be refused: another run's checkpoints), continue from it with --resume auto."""
-        from .checkpoint import complete_checkpoints
-        found = complete_checkpoints(output_dir)[-1:] if output_dir else []
-        if found and resume != "auto":
-            return f"interrupted at {self.stage}; {found[0]} is saved: continue from it with --resume auto"
+    def line(self, saved, resume: str | None) -> str:
+        """What to do next: rerun the same command, or, where the run left a checkpoint (`saved`, the latest;
+        the same command would then be refused: another run's checkpoints), continue from it with --resume auto."""
+        if saved is not None and resume != "auto":
+            return f"interrupted at {self.stage}; {saved} is saved: continue from it with --resume auto"
         return f"interrupted at {self.stage}; rerun the same command"
 
 
-INTERRUPTION = Interruption()   # one per process: train.main sets its stage, train.run_cli says the line
+INTERRUPTION = Interruption()   # one per process: train.main sets its stage, exits.run_train says the line
 
 
 # ---------------------------------------------------------------------------- non-finite steps

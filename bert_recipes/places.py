@@ -61,15 +61,11 @@ def check_name_limits(key: str, path: str | Path) -> None:
                           "(os.pathconf PC_PATH_MAX): give a shorter path")
 
 
-def check_path_names(cfg, kinds: tuple[str, ...]) -> None:
-    """check_name_limits for every set path key (config.PATH_KEYS) of the given kinds ("read ...", "write
-    dir"), in the table's order; the Hub names (no such path on disk) are not paths and pass."""
-    from .config import PATH_KEYS
-    for key, kind in PATH_KEYS.items():
-        if key == "recipe" or not kind.startswith(kinds):
-            continue
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+def check_path_names(paths: list[tuple[str, object]]) -> None:
+    """check_name_limits for every (key, value) given (preflight.path_values: the set path keys of one kind, in
+    config.PATH_KEYS's order): a value is a path, a list of them, or unset (None, "auto"); a Hub name passes
+    (no such path on disk: nothing over a limit)."""
+    for key, value in paths:
         for path in (value or []) if isinstance(value, list) else [value] if value not in (None, "auto") else []:
             check_name_limits(key, path)
 

@@ -59,11 +59,11 @@ def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig,
     check_trackers(trackers)   # opened by the engine (logs.Trackers), the same on every backend
     if plan.deepspeed:
         ds_rules.ask_cpuinfo_once()
-    if not on_gpu and not torch.cuda.is_available():
+    if plan.ds_accelerator:
         # Accelerate imports DeepSpeed on every backend, whose accelerator search ends at the CPU on a host without
         # GPUs and says so on each rank ("[WARNING] ... Setting accelerator to CPU. If you have GPU ..."): named,
-        # the same choice is silent (with GPUs visible it is not named: plan.decide_on_gpu refuses that)
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # the same choice is silent (the plan names it only where no CUDA GPU is visible: plan.launch_plan_here)
+        os.environ.setdefault("DS_ACCELERATOR", plan.ds_accelerator)
     accelerator = Accelerator(
         mixed_precision=plan.precision,
         # Every optimizer step takes exactly `accum` micro batches (train.py's loop), so the
