@@ -24,7 +24,7 @@ from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # tokenizers threads + DataLoader forks deadlock
 
-from bert_recipes.cli import check_command_line, say_config_error
+from bert_recipes.cli import check_command_line
 
 if __name__ == "__main__":   # a mistake in the recipe or its overrides: one line now, not after torch loads (~5 s)
     check_command_line(sys.argv[1:])
@@ -32,21 +32,20 @@ if __name__ == "__main__":   # a mistake in the recipe or its overrides: one lin
 import torch  # noqa: E402 (after the command line's check)
 
 from bert_recipes.activations import Shape
+from bert_recipes.backends.deepspeed import deepspeed_step
+from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
+from bert_recipes.backends.fsdp import plain_norm
 from bert_recipes.backends.plan import launch_plan_here
-from bert_recipes.checkpoint import (check_shared_output_dir, read_train_state, resolve_resume, resume_layout, run_layout,
-                                     save_checkpoint, saved_layout,
-                                     start_output_dir)
-from bert_recipes.config import (Config, ConfigError, first_line, flat_dict, optimizer_steps, parse_train_args,
-                                 schedule_warnings, to_dict, to_yaml, validate)
+from bert_recipes.checkpoint import (check_shared_output_dir, complete_checkpoints, read_train_state, resolve_resume,
+                                     save_checkpoint, start_output_dir)
+from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.export import model_card, partial_export
-from bert_recipes.backends.deepspeed import deepspeed_step
-from bert_recipes.backends.fsdp import plain_norm
-from bert_recipes.guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_TIMEOUT, DiskFull, Diverged, Preemption,
-                                StepGuard, StopAgreement, disk_full, is_collective_timeout, leave, on_any_rank,
+from bert_recipes.guard import (INTERRUPTION, Preemption, StepGuard, StopAgreement, disk_full, leave, on_any_rank,
                                 preempted_exit_code, written_by_all)
 from bert_recipes.interface import Engine
+from bert_recipes.layout import resume_layout, run_layout, saved_layout
 from bert_recipes.logs import Throughput, Trackers, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
@@ -56,7 +55,8 @@ from bert_recipes.doctor.nvml import start_sampler
 from bert_recipes.perf import (DataLoaderWatch, flops_per_token, peak_flops, profile_table, rank_extremes,
                                start_profiler, utilisation_text)
 from bert_recipes.pipeline import train_batch
-from bert_recipes.preflight import preflight, same_on_every_rank
+from bert_recipes.places import creating
+from bert_recipes.preflight import preflight
 from bert_recipes.rank0 import on_nodes, on_rank0
 from bert_recipes.ranks import all_sum, broadcast, print0
 from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
@@ -111,6 +111,7 @@ def main(cfg: Config) -> dict:
     config_yaml = to_yaml(cfg)
 
     # -------------------------------------------------------------------- engine
+    settle_before_ranks_load(plan)   # a DeepSpeed op build cut off earlier: one line, never a silent wait
     # Building the engine starts the process group and compares the recipe with the plan.
     engine = build_engine(plan, output_dir, train=cfg.train, data=cfg.data, optim=cfg.optim, task=cfg.task,
                           seed=cfg.run.seed)
@@ -122,6 +123,7 @@ def main(cfg: Config) -> dict:
     checkpoint, layout = pick_checkpoint(cfg, plan, engine, output_dir, notes)
 
     # -------------------------------------------------------------------- data
+    INTERRUPTION.at("data preparation")
     check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
     label_names = cfg.task.label_names
     tokenizer, data, collate, test_index = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path,
@@ -136,6 +138,7 @@ def main(cfg: Config) -> dict:
            f"tokens, vocab {len(tokenizer)}")
 
     # -------------------------------------------------------------------- model, optimizer, schedule
+    INTERRUPTION.at("building the model")
     steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
     module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
@@ -160,6 +163,7 @@ def main(cfg: Config) -> dict:
               trackers=Trackers(cfg.logging.trackers, engine.is_main, output_dir / "logs"))
 
     # -------------------------------------------------------------------- resume
+    INTERRUPTION.at("loading the checkpoint" if checkpoint is not None else "starting the output directory")
     if checkpoint is not None:
         resume(run, checkpoint)
     run.state["layout"], run.state["total_steps"] = layout, total_steps
@@ -210,8 +214,9 @@ def start_writing(run: Run, overwrite: bool, resume: str | None) -> None:
     """Rank 0 starts the output directory (the resolved config) and copies the tokenizer in; every rank
     agrees on it (guard.written_by_all): a full disk is one line, on every rank exit code 5."""
     def write():
-        start_output_dir(run.output_dir, run.config_yaml, overwrite, resume)
-        run.tokenizer.save_pretrained(run.output_dir / "tokenizer")
+        with creating("run.output_dir", run.output_dir):   # an OSError the checks could not foresee: one line
+            start_output_dir(run.output_dir, run.config_yaml, overwrite, resume)
+            run.tokenizer.save_pretrained(run.output_dir / "tokenizer")
     written_by_all(write if run.engine.is_main else lambda: None, run.engine.control, run.engine.is_main, lambda: None,
                    lambda err: disk_full(err, run.output_dir, "the run's config and tokenizer", run.state["step"], None,
                                          "nothing was trained: free space there, then run again"))
@@ -429,7 +434,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
             name = signal.Signals(run.stop_signal).name
             halted.update(preempted=name, exit_code=preempted_exit_code(run.stop_signal))
             print0(f"[preempt] {name} received: every rank stopped after step {state['step']}/{run.total_steps}, "
-                   f"{saved}; exiting with code {halted['exit_code']}; continue with --resume auto")
+                   f"{saved}; exiting with code {halted['exit_code']}; continue"
+                   + (f" from {complete_checkpoints(run.output_dir)[-1]}" if saved == "checkpoint saved" else "")
+                   + " with --resume auto")
         else:
             print0(f"[halt] stopped at step {state['step']}/{run.total_steps} as train.halt_at_step asks; "
                    f"{saved}, continue with --resume auto")
@@ -495,36 +502,9 @@ def export(run: Run, card: str) -> Path:
 
 
 def run_cli(argv: list[str] | None = None) -> int:
-    """train.py's exit codes: 0 done (or halted at train.halt_at_step), 2 a config or input error,
-    3 diverged (train.max_bad_steps), 4 a collective timed out or a rank was lost, 5 a disk full, 128 + signal
-    when preempted (143 SIGTERM, 138 SIGUSR1). Messages for 2-4 come once, from rank 0 (4: from
-    the rank that saw it), without a traceback."""
-    rank, cfg = int(os.environ.get("RANK", "0")), Config()
-    try:
-        cfg, print_only = parse_train_args(argv)
-        if print_only:
-            validate(cfg)
-            print(to_yaml(cfg), end="")
-            return 0
-        return main(cfg).get("exit_code", 0)
-    except ConfigError as e:   # once, from rank 0 (and the first rank of every other node)
-        return say_config_error(e)
-    except Diverged as e:
-        if rank == 0:
-            print(str(e), file=sys.stderr)
-        return EXIT_DIVERGED
-    except DiskFull as e:   # once, from the rank whose write ran out of space (the others raise it silent)
-        if str(e):
-            print(str(e), file=sys.stderr)
-        return EXIT_DISK_FULL
-    except (RuntimeError, TimeoutError) as e:
-        if not is_collective_timeout(e):
-            raise
-        print(f"[rank {rank}] a collective gave up: {first_line(e)}. A rank is stuck or was lost: every collective "
-              f"waits at most train.collective_timeout_s={cfg.train.collective_timeout_s:g}s (data preparation at most "
-              f"data.prepare_timeout_s={cfg.data.prepare_timeout_s:g}s). Check the other ranks' logs and their nodes; "
-              "continue with --resume auto", file=sys.stderr)
-        return EXIT_TIMEOUT
+    """train.py's command line: main, and its exit codes with their one-line messages (exits.run_train)."""
+    from bert_recipes.exits import run_train
+    return run_train(argv, main)
 
 
 if __name__ == "__main__":

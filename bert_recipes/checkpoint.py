@@ -100,85 +100,6 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> tuple[Path | N
     return path, []
 
 
-def run_layout(plan, micro_batch_size: int) -> dict:
-    """How a run is laid out over processes, saved with each checkpoint (train_state.json) so a resume can
-    tell what changed."""
-    return {"backend": plan.name, "kind": plan.kind, "world": plan.world, "replicas": plan.replicas,
-            "accum": plan.accum, "micro_batch_size": micro_batch_size}
-
-
-def saved_layout(checkpoint: Path) -> dict | None:
-    """The layout a checkpoint was saved with; for one saved before layouts were recorded, the world size
-    counted from Accelerate's per-process RNG files (None when neither is there)."""
-    state = read_train_state(checkpoint)
-    if "layout" in state:
-        return state["layout"]
-    worlds = len(list(Path(checkpoint).glob("random_states_*.pkl")))
-    return {"world": worlds} if worlds else None
-
-
-def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None:
-    """A resume on another number of processes -> the [resume] line saying what follows from it (None: the
-    same number). The global batch is the recipe's and the accumulation follows the world size; the micro
-    batches' global order is a function of (run.seed, epoch), so step k trains on the same sequences. DDP's
-    state is whole on every rank; ZeRO's partitions are re-cut through DeepSpeed's universal checkpoint
-    (backends/deepspeed_universal.py); FSDP's shards through torch's distributed checkpoint, which Accelerate
-    saves them with. What cannot be re-cut (reshard_refusal) is one line before any rank trains."""
-    if not saved or saved.get("world") is None:
-        return None
-    was = saved["world"]
-    refusal = reshard_refusal(saved, now, checkpoint)
-    if refusal:
-        why, fix = refusal
-        raise ConfigError(
-            f"checkpoint.resume: {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])} "
-            f"({stages(saved)}) and this run has {now['world']} under {now['backend']} ({stages(now)}): {why}; {fix}")
-    if was == now["world"]:
-        return None
-    same_micro = saved.get("micro_batch_size") in (None, now["micro_batch_size"])
-    order = ("step k trains on the same micro batches as before (their order is a function of run.seed and the "
-             "epoch, not of the process count)" if same_micro else
-             f"the micro batch changed ({saved['micro_batch_size']} -> {now['micro_batch_size']}), so the batches "
-             "from here on differ from an uninterrupted run's")
-    replicas = lambda layout: f"{layout.get('replicas') or layout['world']} replicas"   # noqa: E731 (= processes but under the pipeline)
-    before = (f" (was micro {saved['micro_batch_size']} x accum {saved['accum']} x {replicas(saved)})"
-              if "accum" in saved else "")
-    universal = f"re-cut through DeepSpeed's universal checkpoint, made once in {checkpoint}/universal"
-    recut = {"deepspeed": f"; ZeRO's partitions are {universal}",
-             "pipeline": f"; the replicas' ZeRO-1 partitions are {universal}",
-             "fsdp": "; FSDP's shards are re-cut by torch's distributed checkpoint on load"}.get(now["kind"], "")
-    return (f"[resume] the world size changed, {was} -> {now['world']} processes: the global batch stays "
-            f"micro {now['micro_batch_size']} x accum {now['accum']} x {replicas(now)}{before}; {order}; "
-            "dropout and masks that do not depend on the example draw from per-rank streams, which differ" + recut)
-
-
-def stages(layout: dict) -> str:
-    """'<replicas> data-parallel replicas' (x '<stages> pipeline stages' under the pipeline)."""
-    replicas = layout.get("replicas") or layout["world"]
-    staged = f" x {layout['world'] // replicas} pipeline stages" if layout.get("kind") == "pipeline" else ""
-    return f"{replicas} data-parallel replicas{staged}"
-
-
-def reshard_refusal(saved: dict, now: dict, checkpoint: Path) -> tuple[str, str] | None:
-    """Why a checkpoint cannot continue in this layout, and the fix (None: it can, re-cut where the process
-    count changed). The pipeline's stage count is checked at any process count; the rest only when it changed."""
-    same_world = f"resume on {saved['world']} processes (NPROC={saved['world']})"
-    if now["kind"] == "pipeline" and saved.get("replicas") and saved["world"] // saved["replicas"] != now["world"] // now["replicas"]:
-        return ("a stage's layers and their optimizer partitions are saved per stage, and only another number of "
-                "replicas is re-cut", "set the DeepSpeed JSON's pipeline.stages back to "
-                f"{saved['world'] // saved['replicas']}")
-    if saved["world"] == now["world"]:
-        return None
-    if saved.get("backend", now["backend"]) != now["backend"]:
-        return ("the backend and the process count cannot both change in one resume",
-                f"{same_world} under {saved['backend']}")
-    if now["backend"].endswith("-nvme") or (Path(checkpoint) / "pytorch_model/offloaded_tensors").is_dir():
-        return ("ZeRO's states offloaded to NVMe are not re-cut: DeepSpeed 0.19.8's universal checkpoint neither "
-                "reads the optimizer's swap files (pytorch_model/offloaded_tensors) nor loads into parameters kept on "
-                "NVMe", same_world)
-    return None
-
-
 def check_resume_path(resume: str | None) -> Path | None:
     """An explicit checkpoint.resume must be a complete checkpoint (its files are verified later,
     on rank 0). -> its path (None for no resume or 'auto')."""
@@ -324,6 +245,44 @@ def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, ove
     return []
 
 
+# What gives a model's tensors their shapes: a checkpoint written under other values cannot be loaded into this
+# run's model (torch's size mismatch, after the data was prepared). The vocabulary size counts only for a
+# tokenizer trained here; the dropouts, the attention implementation and the rest do not change a shape.
+# Not tokenizer.name_or_path: a resume may name the run's own saved tokenizer (<output_dir>/tokenizer) where the
+# first run trained it, the same vocabulary under another path (tools/gpu_smoke.py's resume does).
+SHAPE_KEYS = ("model.name_or_path", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
+              "model.intermediate_size", "model.max_position_embeddings", "tokenizer.vocab_size", "task.kind",
+              "task.num_labels")
+
+
+def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
+    """The checkpoint a run resumes against this run's model shape (SHAPE_KEYS, from the resolved config
+    saved beside it), before any tensor is loaded: one line naming every differing field with both values,
+    and the two ways out. Warm-starting from an export (model.name_or_path) is not a resume: not checked."""
+    import yaml
+    if checkpoint is None or not (Path(checkpoint) / CONFIG_FILE).is_file():
+        return
+    old, new = (yaml.safe_load(text) or {} for text in ((Path(checkpoint) / CONFIG_FILE).read_text(), config_yaml))
+    value = lambda d, key: (d.get(key.split(".")[0]) or {}).get(key.split(".")[1])   # noqa: E731
+    trained_here = lambda d: (value(d, "tokenizer.name_or_path") is None   # noqa: E731
+                              and value(d, "model.name_or_path") is None)
+    keys = [k for k in SHAPE_KEYS if k != "tokenizer.vocab_size" or trained_here(old) and trained_here(new)]
+    differ = [f"{k}: {value(old, k)!r} in the checkpoint, {value(new, k)!r} now" for k in keys
+              if value(old, k) != value(new, k)]
+    if differ:
+        raise ConfigError(f"checkpoint.resume: {checkpoint} holds a model of another shape than this run's ("
+                          f"{'; '.join(differ)}): resume it with the config it was saved with "
+                          f"({Path(checkpoint) / CONFIG_FILE}), or start a new run in another run.output_dir "
+                          "(or this one, without --resume, with --run.overwrite=true)")
+
+
+def resumed_checkpoint(output_dir: str | Path, resume: str | None) -> Path | None:
+    """The checkpoint a resume would start from, as preflight sees it (auto: the latest complete one)."""
+    if resume == "auto":
+        return (complete_checkpoints(output_dir)[-1:] or [None])[0]
+    return Path(resume) if resume else None
+
+
 def check_writable_dir(path: Path, key: str) -> None:
     """`path` is a directory, or can be made one: its nearest existing ancestor is a writable directory."""
     path = Path(path)
@@ -397,8 +356,10 @@ def check_shared_output_dir(output_dir: Path, engine) -> None:
     from .guard import all_max
     marker = output_dir.parent / f".{output_dir.name}.shared-check-{broadcast(secrets.token_hex(8))}"
     if engine.is_main:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        from .places import creating
+        with creating("run.output_dir", output_dir):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
     barrier()
     blind = int(all_max([float(not marker.exists())], engine.control)[0])
     barrier()

@@ -7,6 +7,7 @@ from pathlib import Path
 from .collate import ClassificationCollator, MLMCollator
 from .config import DataConfig, TaskConfig, TokenizerConfig
 from .guard import full_disk_is_one_line, fullest
+from .places import make_place
 from .rank0 import main_first
 from .sources import get_tokenizer, load_prepared, load_raw
 from .tokenizing import label_mapping, missing_classes, tokenize
@@ -26,6 +27,11 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
         tokenizer, data, test_index = load_prepared(data_cfg, task, tok, model_name_or_path)
         return tokenizer, data, make_collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
     cache = data_cache(data_cfg)
+    if is_main:   # the places the user named: an OSError creating one is one line naming the key
+        for key, place in (("data.cache_dir", data_cfg.cache_dir),
+                           ("data.sample_dir", data_cfg.sample_dir if data_cfg.source == "sample" else None)):
+            if place:
+                make_place(key, place)
     # the sample is built into data.sample_dir, then read into datasets' cache: a full disk is the fuller of the two
     raw_dir = fullest(Path(data_cfg.sample_dir), cache) if data_cfg.source == "sample" else cache
     first = (is_main, barrier, broadcast, first_on_node)

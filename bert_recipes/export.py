@@ -48,7 +48,7 @@ def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state
     if state_dict is not None and isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", True):
         for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
             state_dict.pop(key, None)
-    model.config.torch_dtype = "float32"
+    model.config.dtype = "float32"   # (torch_dtype: transformers 5 says it is deprecated, on every export)
     model.save_pretrained(out, state_dict=state_dict, safe_serialization=True, save_function=save_function)
     tokenizer.save_pretrained(out)
     (out / "recipe.yaml").write_text(config_yaml)

@@ -35,7 +35,9 @@ from .config import first_line, nearest_existing
 EXIT_DIVERGED = 3
 EXIT_TIMEOUT = 4
 EXIT_DISK_FULL = 5
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 128 + signal.SIGINT   # 130, as a shell reports a Ctrl-C
+# In the loop a Ctrl-C is a stop signal like a preemption's: finish the step, save, exit 130 (train.finish)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def preempted_exit_code(signum: int) -> int:
@@ -247,6 +249,48 @@ class Preemption:
         for sig, handler in self.previous.items():
             signal.signal(sig, signal.SIG_IGN if ignore_from_now else handler)
         self.previous = {}
+
+
+# ---------------------------------------------------------------------------- Ctrl-C outside the loop
+class Interruption:
+    """Where a run is (`at`), for the one line a Ctrl-C outside the loop prints; `install` makes SIGINT raise
+    KeyboardInterrupt as Python's default does, and remembers it: a rank then blocked in a collective whose
+    peer left on the same Ctrl-C fails with gloo's error, which is this interruption too, not a lost rank."""
+
+    def __init__(self):
+        self.stage, self.received, self.hook = "start-up", False, None
+
+    def at(self, stage: str) -> None:
+        self.stage = stage
+
+    def _handler(self, signum, frame):
+        import sys
+        self.received = True
+        # The unwinding closes the libraries' generators half-way, and Python reports what their cleanup raised as
+        # "Exception ignored in: <generator ...>" with a traceback (datasets 4's split writer: "generator ignored
+        # GeneratorExit", seen 2026-12-03): consequences of this Ctrl-C, already said in one line.
+        self.hook = self.hook or sys.unraisablehook
+        sys.unraisablehook = lambda unraisable: None
+        raise KeyboardInterrupt
+
+    def install(self):
+        import sys
+        self.stage, self.received = "start-up", False   # a new run (tests run several in one process)
+        if self.hook is not None:   # the previous run's Ctrl-C silenced the reports: this run's are heard again
+            sys.unraisablehook, self.hook = self.hook, None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def line(self, saved, resume: str | None) -> str:
+        """What to do next: rerun the same command, or, where the run left a checkpoint (`saved`, the latest;
+        the same command would then be refused: another run's checkpoints), continue from it with --resume auto."""
+        if saved is not None and resume != "auto":
+            return f"interrupted at {self.stage}; {saved} is saved: continue from it with --resume auto"
+        return f"interrupted at {self.stage}; rerun the same command"
+
+
+INTERRUPTION = Interruption()   # one per process: train.main sets its stage, exits.run_train says the line
 
 
 # ---------------------------------------------------------------------------- non-finite steps

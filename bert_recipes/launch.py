@@ -26,7 +26,8 @@ import threading
 # train.py's own exit codes (train.run_cli): each comes with the rank's one-line reason.
 RANK_CODES = {2, 3, 4} | {128 + int(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP,
                                                    signal.SIGQUIT)}
-RANK_LINE = re.compile(r"(^|\] )(config error:|\[diverged\]|\[preempt\]|\[rank \d+\] a collective gave up)")
+RANK_LINE = re.compile(r"(^|\] )(config error:|\[diverged\]|\[preempt\]|interrupted at "
+                       r"|\[rank \d+\] a collective gave up)")
 PREEMPT_CODE = re.compile(r"^\[preempt\] .*exiting with code (\d+)")
 # Where the launcher's report starts: torch.distributed.elastic's log lines about stopping workers,
 # a failed worker, or a signal it received; and what its report says about the first failure.

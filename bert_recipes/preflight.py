@@ -19,9 +19,12 @@ from pathlib import Path
 
 from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
-from .checkpoint import check_output_dir, check_resume_path, check_writable_dir, unwritable_default
-from .config import Config, ConfigError, padded_batches, parse_train_args, path_kind, resolve, to_yaml, validate
+from .checkpoint import (check_checkpoint_fits, check_output_dir, check_resume_path, check_writable_dir,
+                         resumed_checkpoint, unwritable_default)
+from .config import (PATH_KEYS, Config, ConfigError, padded_batches, parse_train_args, path_kind, resolve, to_yaml,
+                     validate)
 from .corpora import FILE_KEYS, resolve_into
+from .places import check_path_names
 from .sources import check_prepared_dir
 
 
@@ -30,10 +33,19 @@ def looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
+def path_values(cfg: Config, kinds: tuple[str, ...]) -> list[tuple[str, object]]:
+    """(key, value) of every path key (config.PATH_KEYS) of the given kinds ("read ...", "write dir"), in the
+    table's order: what places.check_path_names checks, without handing it the whole config."""
+    return [(key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) for key, kind in PATH_KEYS.items()
+            if key != "recipe" and kind.startswith(kinds)]
+
+
 def check_paths(cfg: Config) -> list[str]:
     """The local paths the run reads: model and tokenizer directories, data files, prepared data, the
-    checkpoint to resume. Data files given by pattern or directory are resolved into the config here
-    (bert_recipes/corpora.py). -> the lines that say which files the run reads."""
+    checkpoint to resume. First, that each can exist at all: no name over its filesystem's limits. Data files
+    given by pattern or directory are resolved into the config here (bert_recipes/corpora.py). -> the lines
+    that say which files the run reads."""
+    check_path_names(path_values(cfg, ("read",)))
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("tokenizer.name_or_path", cfg.tokenizer.name_or_path)):
         if name:
             path_kind(Path(name) / "config.json", key)   # a directory this user may not look into: one line
@@ -95,8 +107,10 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
       1. the recipe and its overrides (their types, ranges and relations: validate, resolve);
       2. the launch files (the accelerate YAML and DeepSpeed JSON, as their libraries read them: plan.py)
          against the recipe, and the recipe against the device (resolve_run and the checks around it);
-      3. the paths the run reads (model, tokenizer, data, the checkpoint to resume);
-      4. the places it writes: the output directory (another run's checkpoints in it) and the caches.
+      3. the paths the run reads (model, tokenizer, data, the checkpoint to resume): first that no name is over
+         its filesystem's limits (places.check_path_names), then that each is there and of its kind;
+      4. the places it writes: their names' limits, the output directory (another run's checkpoints in it, a
+         checkpoint of another model shape: checkpoint.check_checkpoint_fits) and the caches.
     A mistake in what was written makes the later checks moot (a fixed recipe may point elsewhere), and the
     disk's state is read last because fixing an earlier mistake often changes it (another output_dir)."""
     validate(cfg)
@@ -107,8 +121,11 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
                           "on GPUs torch's fused dropout is the fast one: use model.dropout_impl=torch")
     resolve_run(cfg, plan, world_size)   # world, accumulation, precision, TF32, masks; recipe vs launch files
     notes += check_paths(cfg)
+    check_path_names(path_values(cfg, ("write",)))   # before anything is created: no parent directory made for nothing
     # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
     notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
+    # a checkpoint of another model shape: one line now, not torch's size mismatch after the data is prepared
+    check_checkpoint_fits(resumed_checkpoint(cfg.run.output_dir, cfg.checkpoint.resume), to_yaml(cfg))
     check_caches(cfg)
     return notes
 

@@ -405,24 +405,28 @@ def launch_script(script: str, args: list[str], nproc: int, launcher: str = "acc
     """Run a repository script as a real multi-process job on CPU (see launch_commands); return its
     output. check: assert that every launcher exited 0."""
     import tempfile
+    import time
     cmds, base_env = launch_commands(script, args, nproc, launcher, env, backend, config)
     files = [tempfile.TemporaryFile("w+") for _ in cmds]   # files, not pipes: two launchers cannot block on a full pipe
     procs = [subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=f, stderr=subprocess.STDOUT, text=True)
              for cmd, f in zip(cmds, files)]
-    codes = []
+    codes, deadline = [], time.time() + timeout
     for proc in procs:
         try:
-            codes.append(proc.wait(timeout=timeout))
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.time())))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise
+            codes.append("timed out")
     logs = []
     for f in files:
         f.seek(0)
         logs.append(f.read())
         f.close()
     log = "\n".join(logs)
+    if "timed out" in codes:   # a hang costs `timeout`, and says where it stood
+        pytest.fail(f"{' '.join(cmds[0][:4])} ... {script} did not end within {timeout}s: killed; its last lines:\n"
+                    f"{log[-4000:]}", pytrace=False)
     assert not check or codes == [0] * len(procs), f"launch failed ({codes}):\n{log[-8000:]}"
     return log
 
@@ -434,16 +438,23 @@ def launch_watched(overrides: list[str], react, nproc: int = 2, backend: str = "
     import time
     args = [f"--{o}" for o in overrides]
     (cmd,), base_env = launch_commands("train.py", args, nproc, launcher, env, backend, config)
+    import threading
     proc = subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, acted_at, deadline = [], None, time.time() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if react(line, proc) and acted_at is None:
-            acted_at = time.time()
-        if time.time() > deadline:
-            proc.kill()
-            raise TimeoutError("".join(lines)[-4000:])
-    proc.wait()
+    lines, acted_at, fired = [], None, []
+    # a silent hang too: no line has to come for it to fire
+    watchdog = threading.Timer(timeout, lambda: (fired.append(True), proc.kill()))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if react(line, proc) and acted_at is None:
+                acted_at = time.time()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    if fired:
+        pytest.fail(f"train.py under {launcher} did not end within {timeout}s: killed; its last lines:\n"
+                    f"{''.join(lines)[-4000:]}", pytrace=False)
     return proc.returncode, "".join(lines), time.time() - (acted_at or time.time())
 
 

@@ -584,7 +584,7 @@ def test_the_universal_load_mends_only_zero3s_slips(stage):
 def test_a_pipeline_stage_change_is_refused():
     """The pipeline's layouts: another number of replicas continues (test_pipeline_classification_and_data_parallel
     runs it), another number of stages is refused with both layouts named."""
-    from bert_recipes.checkpoint import resume_layout
+    from bert_recipes.layout import resume_layout
     from bert_recipes.config import ConfigError
     layout = lambda world, replicas, accum: {"backend": "pipeline", "kind": "pipeline", "world": world,  # noqa: E731
                                              "replicas": replicas, "accum": accum, "micro_batch_size": 4}

@@ -152,6 +152,11 @@ CASES = [
                                                 c.args(**{"optim.lr": 1e-3, "train.max_steps": 8,
                                                           "checkpoint.save_every": 4}))[1],
      "of a different run (optim.lr: 0.003 -> 0.001): pick another run.output_dir"),
+    ("a checkpoint of another model shape", lambda c, m: (shutil.copytree(c.old_run, c.out),
+                                                          c.args(**{"model.hidden_size": 64, "task.kind": "mlm",
+                                                                    "checkpoint.resume": "auto"}))[1],
+     "holds a model of another shape than this run's (model.hidden_size: 32 in the checkpoint, 64 now): resume it "
+     "with the config it was saved with"),
     ("this run's output_dir without --resume", lambda c, m: (shutil.copytree(c.old_run, c.out),
                                                               c.args(**{"train.max_steps": 8,
                                                                         "checkpoint.save_every": 4}))[1],

@@ -470,3 +470,39 @@ def test_a_deepspeed_value_deepspeed_refuses_is_one_line(field, base, tmp_path, 
     path = _ds_config(tmp_path, json.dumps(ds), monkeypatch)
     line = refused_in_process(args, out, capsys)
     assert f"DeepSpeed config {path}: {field}='bogus' is refused by DeepSpeed (" in line, line
+
+
+# ----------------------------------------------------------------------------- names the OS refuses
+# Every path key (config.PATH_KEYS) with a component over its filesystem's name limit, and with a whole path over
+# the path limit (os.pathconf): one line before anything is created, never `OSError: [Errno 36] File name too long`.
+NAME_CASES = [(key, too) for key in C.PATH_KEYS if key != "recipe" for too in ("component", "path")]
+
+
+@pytest.mark.parametrize("key, too", NAME_CASES, ids=[f"{k}-{t}" for k, t in NAME_CASES])
+def test_a_name_the_os_refuses_is_one_line(key, too, base, tmp_path, capsys):
+    out, args = base
+    name_max, path_max = os.pathconf(tmp_path, "PC_NAME_MAX"), os.pathconf(tmp_path, "PC_PATH_MAX")
+    if too == "component":
+        path = tmp_path / ("n" * (name_max + 1)) / "run"
+    else:   # every component allowed, the whole too long
+        path = tmp_path.joinpath(*["p" * 200] * (path_max // 201 + 1))
+    train_file = tmp_path / "train.txt"
+    train_file.write_text("".join(f"line {i} of some text to train on\n" for i in range(400)))
+    extra = {k: str(v).format(train_file=train_file) for k, v in PATH_CONTEXT.get(key, {}).items()}
+    value = f"[{path}]" if C.PATH_KEYS[key] == "read files" else str(path)
+    argv = args + [f"--{k}={v}" for k, v in extra.items()] + [f"--{key}={value}"]
+    line = refused_in_process(argv, tmp_path, capsys)   # nothing created anywhere under tmp_path
+    assert line.startswith(f"config error: {key}={path}: ") and "give a shorter" in line, line[:300]
+    assert ("PC_NAME_MAX" if too == "component" else "PC_PATH_MAX") in line, line[:300]
+
+
+def test_an_os_error_creating_a_place_is_one_line(base, tmp_path, capsys):
+    """What no check foresees (here a directory named `config.yaml` where the run writes its resolved config):
+    the OSError from creating the place is one line naming the key and the path (places.creating)."""
+    out, args = base
+    out.mkdir()
+    (out / "config.yaml").mkdir()
+    code, err = __import__("conftest").run_cli_in_process(args, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("config error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"config error: run.output_dir={out}: cannot be created") and "config.yaml" in lines[0]

@@ -68,6 +68,7 @@ def resume_and_compare(args, backend, launcher, expected, out):
     ("zero2", "accelerate", signal.SIGTERM, True),
     ("pipeline", "accelerate", signal.SIGTERM, True),
     ("ddp", "accelerate", signal.SIGUSR1, False),  # another signal; the resume is the same as SIGTERM's
+    ("ddp", "accelerate", signal.SIGINT, False),   # Ctrl-C in the loop: the same stop, exit 130 on every rank
 ])
 def test_signal_to_the_launcher_saves_the_step_reached_and_resume_is_exact(backend, launcher, sig, resume, reference,
                                                                           tmp_path, sample_dir, datasets_cache,
@@ -127,6 +128,55 @@ def test_sigterm_exit_code_of_a_single_process(tmp_path, sample_dir, datasets_ca
     resumed = subprocess.run([sys.executable, "train.py", *args, "--resume=auto"], cwd=REPO, capture_output=True,
                              text=True, timeout=300)
     assert resumed.returncode == 0 and f"[resume] from {latest}" in resumed.stdout
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+def _interrupt(args: list[str], when: str) -> tuple[int, str]:
+    """`python train.py args`, a real SIGINT when a line holding `when` comes (what a terminal's Ctrl-C sends);
+    killed, and the test failed with its last lines, if it has not ended 120 s later. -> (exit code, output)."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    log, sent = [], False
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if not sent and when in line:
+                proc.send_signal(signal.SIGINT)
+                sent = True
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+    assert sent and code != -signal.SIGKILL, f"no '{when}' line, or it hung:\n{''.join(log)[-3000:]}"
+    return code, "".join(log)
+
+
+def test_ctrl_c_is_one_line_and_the_same_command_runs_again(tmp_path, sample_dir, shared_tokenizer):
+    """A real SIGINT during data preparation (a fresh data cache: datasets is writing it) and during training:
+    each is one line and exit code 130, no traceback; the same command then runs (from training's checkpoint,
+    with --resume auto, as the line says) and finishes."""
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    args = [f"--{a}" for a in tiny_args(out, sample_dir, tmp_path / "cache", **{"train.max_steps": 12})]
+    code, log = _interrupt(args, "Generating train split")   # datasets is writing a new cache
+    said = [line for line in log.splitlines() if line.startswith("interrupted at")]
+    assert code == 130 and said == ["interrupted at data preparation; rerun the same command"], log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert complete_checkpoints(out) == []
+    code, log = _interrupt(args, "[train] step 4/")   # the same command, now interrupted in the loop
+    assert code == 130 and "Traceback" not in log, log[-3000:]
+    latest = complete_checkpoints(out)[-1]
+    said = [line for line in log.splitlines() if "SIGINT" in line]
+    assert len(said) == 1 and said[0].startswith("[preempt] SIGINT received: every rank stopped after step"), log
+    assert said[0].endswith(f"exiting with code 130; continue from {latest} with --resume auto"), said[0]
+    resumed = subprocess.run([sys.executable, "train.py", *args, "--resume=auto"], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0 and f"[resume] from {latest}" in resumed.stdout, resumed.stderr[-3000:]
+    assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 12
 
 
 # ----------------------------------------------------------------------------- dead or stuck ranks

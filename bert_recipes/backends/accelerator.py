@@ -57,6 +57,11 @@ def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig,
         backend=None if on_gpu else "gloo", timeout=timedelta(seconds=train.collective_timeout_s))]
     if plan.deepspeed:
         ds_rules.ask_cpuinfo_once()
+    if plan.ds_accelerator:
+        # Accelerate imports DeepSpeed on every backend, whose accelerator search ends at the CPU on a host without
+        # GPUs and says so on each rank ("[WARNING] ... Setting accelerator to CPU. If you have GPU ..."): named,
+        # the same choice is silent (the plan names it only where no CUDA GPU is visible: plan.launch_plan_here)
+        os.environ.setdefault("DS_ACCELERATOR", plan.ds_accelerator)
     accelerator = Accelerator(
         mixed_precision=plan.precision,
         # Every optimizer step takes exactly `accum` micro batches (train.py's loop), so the
@@ -70,6 +75,7 @@ def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig,
         dynamo_plugin=dynamo_plugin(train, plan),   # train.compile: Accelerate compiles in prepare
     )
     check_engaged(accelerator, plan)
+    accelerator.register_save_state_pre_hook(drop_tied_weights)
     ds_rules.fill_deepspeed_autos(accelerator, optim)
     accelerator.swap_dirs = ds_rules.private_swap_dirs(accelerator, output_dir)
     if accelerator.num_processes != world_size:
@@ -77,6 +83,28 @@ def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig,
                            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
                            "see docs/backends.md 'Launching on CPU' for launch commands that really distribute")
     return accelerator
+
+
+def drop_tied_weights(models: list, weights: list[dict], output_dir: str) -> None:
+    """save_state's pre-hook: each model's tied weights (transformers' _tied_weights_keys, BERT's MLM decoder =
+    the word embeddings) leave the state dict it is handed when they share their source's storage. Accelerate's
+    safetensors writer drops exactly these itself (the later name of a shared storage, utils/other.py
+    clean_state_dict_for_safetensors) but warns "Removed shared tensor {'cls.predictions.decoder.weight'} while
+    saving" each time; the load (safetensors' load_model) ties them back, so the checkpoint is the same file."""
+    from accelerate.utils.other import id_tensor_storage
+    for model, state in zip(models, weights):
+        inner = getattr(model, "module", model)
+        inner = getattr(inner, "_orig_mod", inner)   # train.compile's wrapper
+        tied = getattr(inner, "_tied_weights_keys", None) or {}
+        owners: dict = {}
+        for name, tensor in list(state.items()):
+            if not hasattr(tensor, "untyped_storage"):
+                continue
+            storage = id_tensor_storage(tensor)
+            bare = name.removeprefix("module.").removeprefix("_orig_mod.")
+            if storage in owners and bare in tied:
+                del state[name]
+            owners.setdefault(storage, name)
 
 
 def check_engaged(accelerator, plan: LaunchPlan) -> None:

@@ -1,6 +1,6 @@
 """DeepSpeed on another number of processes: a ZeRO checkpoint re-partitioned through DeepSpeed's universal
 checkpoint (0.19.8). Rank 0 converts it once with DeepSpeed's own converter (universal_checkpoint), then every
-rank loads its new partition (loading_universal). checkpoint.resume_layout decides which layouts may change
+rank loads its new partition (loading_universal). layout.resume_layout decides which layouts may change
 and says so in the [resume] line; docs/checkpoints.md has the table.
 
 No torch or deepspeed at import time."""
@@ -55,7 +55,7 @@ def resharded(checkpoint: Path, processes: int, ds_engine, is_main: bool, broadc
     """The directory a DeepSpeed engine loads from: the checkpoint itself, or, saved by another number of
     processes, its universal conversion (rank 0 makes it once, rank0.on_rank0), with DeepSpeed's universal
     load on for as long as the block runs. Both engines load through here (engine.py, pipeline.py)."""
-    from ..checkpoint import saved_layout
+    from ..layout import saved_layout
     from ..rank0 import on_rank0
     saved = saved_layout(checkpoint)
     if not saved or saved.get("world") == processes:

@@ -48,6 +48,10 @@ class LaunchPlan:
     # Decided once, for the machine the run is on (launch_plan_here); None in a plan made for elsewhere
     # (the memory planner, tools that plan a launch): those take the device as an input.
     on_gpu: bool | None = None
+    # DeepSpeed's accelerator, named where its own search would end at the CPU and warn on each rank ("Setting
+    # accelerator to CPU. If you have GPU ..."): "cpu" on a machine without CUDA GPUs, else None (its search finds
+    # CUDA; naming cpu with GPUs visible is refused, decide_on_gpu). Decided with on_gpu, by launch_plan_here.
+    ds_accelerator: str | None = None
     # Resolved with the recipe, once, by resolve_run (preflight): what the engines and the loop read.
     world: int | None = None                  # processes
     replicas: int | None = None               # data-parallel replicas (world / stages under the pipeline)
@@ -134,7 +138,9 @@ def launch_plan_here(env=os.environ) -> LaunchPlan:
     with the device decided once (decide_on_gpu). Engines, the loop and the checks read plan.on_gpu and
     never decide again."""
     plan = read_launch_plan(env)
-    plan.on_gpu = decide_on_gpu(plan, env)
+    cuda = nvidia_device_present() and _torch_sees_cuda()
+    plan.on_gpu = decide_on_gpu(plan, env, cuda)
+    plan.ds_accelerator = None if cuda else "cpu"
     return plan
 
 

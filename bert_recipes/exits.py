@@ -1,0 +1,64 @@
+"""train.py's command line around `main(cfg) -> metrics`: each way a run ends, its exit code and its one line.
+
+Above cli.py (the command line read before torch loads), guard.py (what stops a run, the exit codes) and
+checkpoint.py (where a Ctrl-C's line finds the checkpoint to continue from), so that none of them imports
+another back: train.run_cli is a wrapper of run_train.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from .checkpoint import complete_checkpoints
+from .cli import say_config_error
+from .config import Config, ConfigError, first_line, parse_train_args, to_yaml, validate
+from .guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TIMEOUT, INTERRUPTION, DiskFull, Diverged,
+                    is_collective_timeout)
+
+
+def run_train(argv: list[str] | None, main) -> int:
+    """train.py's command line around `main(cfg) -> metrics`, and its exit codes: 0 done (or halted at
+    train.halt_at_step), 2 a config or input error, 3 diverged (train.max_bad_steps), 4 a collective timed out or a
+    rank was lost, 5 a disk full, 128 + signal when preempted (143 SIGTERM, 138 SIGUSR1, 130 SIGINT: Ctrl-C, also
+    before the loop). Messages for 2-4 come once, from rank 0 (4: from the rank that saw it), without a traceback."""
+    rank, cfg = int(os.environ.get("RANK", "0")), Config()
+    INTERRUPTION.install()   # a Ctrl-C outside the loop: one line, exit 130 (in the loop: a stop signal, saved)
+    try:
+        cfg, print_only = parse_train_args(argv)
+        if print_only:
+            validate(cfg)
+            print(to_yaml(cfg), end="")
+            return 0
+        return main(cfg).get("exit_code", 0)
+    except ConfigError as e:   # once, from rank 0 (and the first rank of every other node)
+        return say_config_error(e)
+    except Diverged as e:
+        if rank == 0:
+            print(str(e), file=sys.stderr)
+        return EXIT_DIVERGED
+    except DiskFull as e:   # once, from the rank whose write ran out of space (the others raise it silent)
+        if str(e):
+            print(str(e), file=sys.stderr)
+        return EXIT_DISK_FULL
+    except KeyboardInterrupt:
+        return interrupted(rank, cfg.run.output_dir, cfg.checkpoint.resume)
+    except (RuntimeError, TimeoutError) as e:
+        if INTERRUPTION.received:   # a peer left on the same Ctrl-C: gloo's error is the interruption's
+            return interrupted(rank, cfg.run.output_dir, cfg.checkpoint.resume)
+        if not is_collective_timeout(e):
+            raise
+        print(f"[rank {rank}] a collective gave up: {first_line(e)}. A rank is stuck or was lost: every collective "
+              f"waits at most train.collective_timeout_s={cfg.train.collective_timeout_s:g}s (data preparation at most "
+              f"data.prepare_timeout_s={cfg.data.prepare_timeout_s:g}s). Check the other ranks' logs and their nodes; "
+              "continue with --resume auto", file=sys.stderr)
+        return EXIT_TIMEOUT
+
+
+def interrupted(rank: int, output_dir: str | None, resume: str | None) -> int:
+    """A Ctrl-C outside the loop: one line, from rank 0 (guard.Interruption), and exit code 130 on every rank.
+    What was being written is a .partial or a library's temporary file, so the same command runs again."""
+    if rank == 0:
+        saved = (complete_checkpoints(output_dir)[-1:] or [None])[0] if output_dir else None
+        # on a line of its own: a progress bar the Ctrl-C cut off has not ended its line
+        print("\n" + INTERRUPTION.line(saved, resume), file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED

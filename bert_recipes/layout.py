@@ -1,0 +1,88 @@
+"""A run's layout over processes (backend, world, replicas, accumulation, micro batch), saved with each checkpoint,
+and what a resume in another layout means: the state re-cut (one [resume] line), or refused in one line where it
+cannot be re-cut (the pipeline's stages, the backend and the process count at once, NVMe-offloaded states)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import read_train_state
+from .config import ConfigError
+
+
+def run_layout(plan, micro_batch_size: int) -> dict:
+    """How a run is laid out over processes, saved with each checkpoint (train_state.json) so a resume can
+    tell what changed."""
+    return {"backend": plan.name, "kind": plan.kind, "world": plan.world, "replicas": plan.replicas,
+            "accum": plan.accum, "micro_batch_size": micro_batch_size}
+
+
+def saved_layout(checkpoint: Path) -> dict | None:
+    """The layout a checkpoint was saved with; for one saved before layouts were recorded, the world size
+    counted from Accelerate's per-process RNG files (None when neither is there)."""
+    state = read_train_state(checkpoint)
+    if "layout" in state:
+        return state["layout"]
+    worlds = len(list(Path(checkpoint).glob("random_states_*.pkl")))
+    return {"world": worlds} if worlds else None
+
+
+def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None:
+    """A resume on another number of processes -> the [resume] line saying what follows from it (None: the
+    same number). The global batch is the recipe's and the accumulation follows the world size; the micro
+    batches' global order is a function of (run.seed, epoch), so step k trains on the same sequences. DDP's
+    state is whole on every rank; ZeRO's partitions are re-cut through DeepSpeed's universal checkpoint
+    (backends/deepspeed_universal.py); FSDP's shards through torch's distributed checkpoint, which Accelerate
+    saves them with. What cannot be re-cut (reshard_refusal) is one line before any rank trains."""
+    if not saved or saved.get("world") is None:
+        return None
+    was = saved["world"]
+    refusal = reshard_refusal(saved, now, checkpoint)
+    if refusal:
+        why, fix = refusal
+        raise ConfigError(
+            f"checkpoint.resume: {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])} "
+            f"({stages(saved)}) and this run has {now['world']} under {now['backend']} ({stages(now)}): {why}; {fix}")
+    if was == now["world"]:
+        return None
+    same_micro = saved.get("micro_batch_size") in (None, now["micro_batch_size"])
+    order = ("step k trains on the same micro batches as before (their order is a function of run.seed and the "
+             "epoch, not of the process count)" if same_micro else
+             f"the micro batch changed ({saved['micro_batch_size']} -> {now['micro_batch_size']}), so the batches "
+             "from here on differ from an uninterrupted run's")
+    replicas = lambda layout: f"{layout.get('replicas') or layout['world']} replicas"   # noqa: E731 (= processes but under the pipeline)
+    before = (f" (was micro {saved['micro_batch_size']} x accum {saved['accum']} x {replicas(saved)})"
+              if "accum" in saved else "")
+    universal = f"re-cut through DeepSpeed's universal checkpoint, made once in {checkpoint}/universal"
+    recut = {"deepspeed": f"; ZeRO's partitions are {universal}",
+             "pipeline": f"; the replicas' ZeRO-1 partitions are {universal}",
+             "fsdp": "; FSDP's shards are re-cut by torch's distributed checkpoint on load"}.get(now["kind"], "")
+    return (f"[resume] the world size changed, {was} -> {now['world']} processes: the global batch stays "
+            f"micro {now['micro_batch_size']} x accum {now['accum']} x {replicas(now)}{before}; {order}; "
+            "dropout and masks that do not depend on the example draw from per-rank streams, which differ" + recut)
+
+
+def stages(layout: dict) -> str:
+    """'<replicas> data-parallel replicas' (x '<stages> pipeline stages' under the pipeline)."""
+    replicas = layout.get("replicas") or layout["world"]
+    staged = f" x {layout['world'] // replicas} pipeline stages" if layout.get("kind") == "pipeline" else ""
+    return f"{replicas} data-parallel replicas{staged}"
+
+
+def reshard_refusal(saved: dict, now: dict, checkpoint: Path) -> tuple[str, str] | None:
+    """Why a checkpoint cannot continue in this layout, and the fix (None: it can, re-cut where the process
+    count changed). The pipeline's stage count is checked at any process count; the rest only when it changed."""
+    same_world = f"resume on {saved['world']} processes (NPROC={saved['world']})"
+    if now["kind"] == "pipeline" and saved.get("replicas") and saved["world"] // saved["replicas"] != now["world"] // now["replicas"]:
+        return ("a stage's layers and their optimizer partitions are saved per stage, and only another number of "
+                "replicas is re-cut", "set the DeepSpeed JSON's pipeline.stages back to "
+                f"{saved['world'] // saved['replicas']}")
+    if saved["world"] == now["world"]:
+        return None
+    if saved.get("backend", now["backend"]) != now["backend"]:
+        return ("the backend and the process count cannot both change in one resume",
+                f"{same_world} under {saved['backend']}")
+    if now["backend"].endswith("-nvme") or (Path(checkpoint) / "pytorch_model/offloaded_tensors").is_dir():
+        return ("ZeRO's states offloaded to NVMe are not re-cut: DeepSpeed 0.19.8's universal checkpoint neither "
+                "reads the optimizer's swap files (pytorch_model/offloaded_tensors) nor loads into parameters kept on "
+                "NVMe", same_world)
+    return None
