@@ -432,12 +432,14 @@ def launch_script(script: str, args: list[str], nproc: int, launcher: str = "acc
 
 
 def launch_watched(overrides: list[str], react, nproc: int = 2, backend: str = "ddp", launcher: str = "accelerate",
-                   env: dict | None = None, timeout: int = 600, config: Path | None = None) -> tuple[int, str, float]:
-    """Launch train.py and call react(line, proc) on every output line as it comes (to signal or kill
-    while it runs). -> (launcher exit code, whole output, seconds from react's first True to the exit)."""
+                   env: dict | None = None, timeout: int = 600, config: Path | None = None,
+                   script: str = "train.py") -> tuple[int, str, float]:
+    """Launch train.py (or `script`: tests/checksum_harness.py for a test that reads final.rank_checksums)
+    and call react(line, proc) on every output line as it comes (to signal or kill while it runs).
+    -> (launcher exit code, whole output, seconds from react's first True to the exit)."""
     import time
     args = [f"--{o}" for o in overrides]
-    (cmd,), base_env = launch_commands("train.py", args, nproc, launcher, env, backend, config)
+    (cmd,), base_env = launch_commands(script, args, nproc, launcher, env, backend, config)
     import threading
     proc = subprocess.Popen(cmd, cwd=REPO, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, acted_at, fired = [], None, []

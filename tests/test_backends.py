@@ -187,7 +187,7 @@ def nvme_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, model: dict
         return False
     out = tmp_path / "zero3-nvme"
     code, log, _ = launch_watched(tiny_args(out, sample_dir, datasets_cache, **settings), react, backend="zero3-nvme",
-                                  config=tmp_path / "acc.yaml", timeout=1200)
+                                  config=tmp_path / "acc.yaml", timeout=1200, script="tests/checksum_harness.py")
     assert code == 0, log[-4000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert_healthy(metrics, "DistributedType.DEEPSPEED")
