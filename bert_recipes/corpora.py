@@ -7,7 +7,7 @@ path and mtime) follows the files, never the pattern's text. No torch at import 
     an existing file     read as it is (the form every list had before)
     a directory          every file of the kinds below under it, at any depth (datasets' `**`), sorted by path
     a glob pattern       its matches (datasets' glob: `*` within a directory, `**` across them), sorted by path
-    compressed           .gz, .bz2, .xz (Python's own codecs); .zst when the zstandard package is installed
+    compressed           .gz, .bz2, .xz (Python's own codecs); .zst with the zstandard package (requirements.txt)
 
 Hidden files (a leading dot) are skipped, as datasets skips them. The entries' order is kept: a list
 [shards/*.txt.gz, extra.txt] reads the shards in sorted order, then extra.txt.

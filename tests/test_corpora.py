@@ -1,7 +1,7 @@
 """Corpora as they ship (bert_recipes/corpora.py): sharded, compressed, named by a glob pattern, a directory or
 a mix, resolved through datasets. The tokens equal those of the same text given as one plain file, on 1 and 2
 processes; the resolved list is one line and the run's config; a resume reads its run's files; a pattern
-that matches nothing, mixed formats and a corrupt .gz are one line each."""
+that matches nothing, mixed formats, a corrupt .gz and a .zst without zstandard are one line each."""
 from __future__ import annotations
 
 import bz2
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import zstandard
 
 from conftest import launch, refused_in_process, run_in_process, tiny_args
 
@@ -22,8 +23,9 @@ NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_p
 @pytest.fixture
 def corpus(tmp_path, sample_dir) -> dict:
     """The sample's first 800 pretraining lines as one plain file, and cut in order into 4 compressed shards
-    laid out for each form: all in shards/ (with a README that a directory skips); and a mix: shards 0-1 in
-    a/ (a directory), shard 2 in b/ (a pattern), shard 3 as c.txt.xz (a file)."""
+    laid out for each form: all in shards/ (with a README that a directory skips); a mix: shards 0-1 in
+    a/ (a directory), shard 2 in b/ (a pattern), shard 3 as c.txt.xz (a file); and JSON lines in zstd, as
+    The Pile and SlimPajama ship ({"text": ...} per line, pile/*.jsonl.zst)."""
     lines = (sample_dir / "pretrain/train.txt").read_text().splitlines(keepends=True)[:800]
     (tmp_path / "one.txt").write_text("".join(lines))
     cut = [lines[i * len(lines) // SHARDS:(i + 1) * len(lines) // SHARDS] for i in range(SHARDS)]
@@ -37,8 +39,13 @@ def corpus(tmp_path, sample_dir) -> dict:
         (tmp_path / f"a/part-{i:05d}.txt.bz2").write_bytes(bz2.compress("".join(cut[i]).encode()))
     (tmp_path / "b/part-00002.txt.gz").write_bytes(gzip.compress("".join(cut[2]).encode()))
     (tmp_path / "c.txt.xz").write_bytes(lzma.compress("".join(cut[3]).encode()))
+    (tmp_path / "pile").mkdir()
+    for i, part in enumerate(cut):
+        rows = "".join(json.dumps({"text": line.rstrip("\n"), "meta": {"shard": i}}) + "\n" for line in part)
+        (tmp_path / f"pile/{i:02d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(rows.encode()))
     return {"one file": [tmp_path / "one.txt"], "pattern": [tmp_path / "shards/part-*.txt.gz"],
-            "directory": [tmp_path / "shards"], "mix": [tmp_path / "a", tmp_path / "b/*.gz", tmp_path / "c.txt.xz"]}
+            "directory": [tmp_path / "shards"], "mix": [tmp_path / "a", tmp_path / "b/*.gz", tmp_path / "c.txt.xz"],
+            "jsonl.zst": [tmp_path / "pile/*.jsonl.zst"]}
 
 
 def files_arg(entries) -> str:
@@ -67,7 +74,7 @@ def test_every_form_gives_the_tokens_of_the_plain_file(corpus, datasets_cache, s
         fingerprints[form] = raw["train"]._fingerprint
         data = tokenize(raw, tokenizer, cfg.task, cfg.data)
         got[form] = {split: data[split]["input_ids"] for split in ("train", "eval")}
-    for form in ("pattern", "directory", "mix"):
+    for form in ("pattern", "directory", "mix", "jsonl.zst"):
         assert got[form] == got["one file"], form
     assert len(got["one file"]["train"]) > 200
     # pattern and directory name the same files: one cache entry; the resolved files are the key
@@ -153,6 +160,24 @@ def test_a_corpus_that_cannot_be_read_is_one_line(build, corpus, tmp_path, sampl
         "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.train_files": files_arg(entries)})]
     line = refused_in_process(argv, out, capsys)
     assert expected in line, line
+    assert not out.exists()
+
+
+def test_zst_without_zstandard_is_one_line(corpus, tmp_path, sample_dir, datasets_cache, shared_tokenizer,
+                                          monkeypatch, capsys):
+    """An installation without zstandard (requirements.txt has it; a hand-made environment may not): train.py,
+    in process, with the package made unfindable, refuses the .zst shards in one line naming the package."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "zstandard" else find_spec(name, *a))
+    out = tmp_path / "out"
+    argv = [f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "data.source": "files",
+        "data.train_files": files_arg(corpus["jsonl.zst"])})]
+    line = refused_in_process(argv, out, capsys)
+    assert f"data file {tmp_path / 'pile/00.jsonl.zst'}: reading zstd needs the zstandard package" in line, line
+    assert "pip install zstandard, or decompress the file" in line, line
     assert not out.exists()
 
 
