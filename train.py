@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,30 +34,28 @@ from bert_recipes.backends.deepspeed import deepspeed_step
 from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
 from bert_recipes.backends.fsdp import plain_norm
 from bert_recipes.backends.plan import launch_plan_here
-from bert_recipes.checkpoint import (check_shared_output_dir, complete_checkpoints, read_train_state, resolve_resume,
-                                     save_checkpoint, start_output_dir)
+from bert_recipes.checkpoint import read_train_state, save_checkpoint, start_writing
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
-from bert_recipes.export import model_card, partial_export
-from bert_recipes.guard import (INTERRUPTION, Preemption, StepGuard, StopAgreement, disk_full, leave, on_any_rank,
-                                preempted_exit_code, written_by_all)
+from bert_recipes.exits import halted_line, run_train
+from bert_recipes.export import model_card
+from bert_recipes.guard import INTERRUPTION, Preemption, StepGuard, StopAgreement, leave, on_any_rank
 from bert_recipes.interface import Engine
-from bert_recipes.layout import resume_layout, run_layout, saved_layout
-from bert_recipes.logs import Throughput, Trackers, plot_curves, write_metrics
+from bert_recipes.layout import pick_checkpoint
+from bert_recipes.logs import Throughput, Trackers, plot_curves, train_line, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if
 from bert_recipes.doctor.nvml import start_sampler
-from bert_recipes.perf import (DataLoaderWatch, flops_per_token, peak_flops, profile_table, rank_extremes,
-                               start_profiler, utilisation_text)
+from bert_recipes.perf import DataLoaderWatch, mfu_terms, profile_table, rank_extremes, start_profiler
 from bert_recipes.pipeline import train_batch
-from bert_recipes.places import creating
 from bert_recipes.preflight import preflight
-from bert_recipes.rank0 import on_nodes, on_rank0
+from bert_recipes.rank0 import on_nodes
 from bert_recipes.ranks import all_sum, broadcast, print0
-from bert_recipes.results import extra_evaluations, keep_best, push_to_hub, restore_best, write_predictions
+from bert_recipes.results import (export_agreed, extra_evaluations, keep_best, push_to_hub, restore_best,
+                                  write_predictions)
 from bert_recipes.sync_audit import SyncAudit
 from bert_recipes.trial import confirm_micro_batch
 
@@ -120,7 +116,8 @@ def main(cfg: Config) -> dict:
     set_seed(cfg.run.seed)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
            f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
-    checkpoint, layout = pick_checkpoint(cfg, plan, engine, output_dir, notes)
+    checkpoint, layout = pick_checkpoint(cfg.checkpoint.resume, plan, cfg.train.micro_batch_size, engine, output_dir,
+                                         notes)
 
     # -------------------------------------------------------------------- data
     INTERRUPTION.at("data preparation")
@@ -167,7 +164,8 @@ def main(cfg: Config) -> dict:
     if checkpoint is not None:
         resume(run, checkpoint)
     run.state["layout"], run.state["total_steps"] = layout, total_steps
-    start_writing(run, cfg.run.overwrite, cfg.checkpoint.resume)   # every check has passed
+    start_writing(output_dir, config_yaml, tokenizer, cfg.run.overwrite, cfg.checkpoint.resume, engine,
+                  run.state["step"])   # every check has passed
     # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
     run.state["trackers"] = {**run.state.get("trackers", {}),
                              **run.trackers.start(cfg.run.name, flat_dict(cfg), run.state.get("trackers"))}
@@ -181,23 +179,6 @@ def main(cfg: Config) -> dict:
         run.preemption.uninstall(ignore_from_now=bool(run.stop_signal))
 
 
-def pick_checkpoint(cfg: Config, plan, engine: Engine, output_dir: Path, notes: list[str]):
-    """The checkpoint checkpoint.resume names (None: a new run), picked by rank 0 and told to the others (ranks
-    may see the disk at different times), and this run's layout, saved with each checkpoint: another process
-    count re-cuts the saved state (a line) or is refused (one line). -> (checkpoint or None, layout)."""
-    check_shared_output_dir(output_dir, engine)
-    checkpoint, resume_notes = on_rank0(engine.is_main, broadcast,
-                                        lambda: resolve_resume(cfg.checkpoint.resume, output_dir))
-    for note in notes + resume_notes:
-        print0(note)
-    layout = run_layout(plan, cfg.train.micro_batch_size)
-    if checkpoint is not None:
-        changed = resume_layout(saved_layout(checkpoint), layout, checkpoint)
-        if changed:
-            print0(changed)
-    return checkpoint, layout
-
-
 def resume(run: Run, checkpoint) -> None:
     """The checkpoint's weights, optimizer, schedule and RNG (engine.load) and the loop's state; a run of another
     length follows its own schedule from the checkpoint's step on (a line)."""
@@ -208,18 +189,6 @@ def resume(run: Run, checkpoint) -> None:
                                  run.total_steps)
     if lengthened:
         print0(lengthened)
-
-
-def start_writing(run: Run, overwrite: bool, resume: str | None) -> None:
-    """Rank 0 starts the output directory (the resolved config) and copies the tokenizer in; every rank
-    agrees on it (guard.written_by_all): a full disk is one line, on every rank exit code 5."""
-    def write():
-        with creating("run.output_dir", run.output_dir):   # an OSError the checks could not foresee: one line
-            start_output_dir(run.output_dir, run.config_yaml, overwrite, resume)
-            run.tokenizer.save_pretrained(run.output_dir / "tokenizer")
-    written_by_all(write if run.engine.is_main else lambda: None, run.engine.control, run.engine.is_main, lambda: None,
-                   lambda err: disk_full(err, run.output_dir, "the run's config and tokenizer", run.state["step"], None,
-                                         "nothing was trained: free space there, then run again"))
 
 
 def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: int):
@@ -243,13 +212,10 @@ def describe_run(cfg: Config, plan, engine: Engine, model_config):
     print0("[backend] " + ", ".join(f"{k}={v}" for k, v in backend.items()))
     memory_plan = predict_run(cfg, model_config, plan, engine.num_processes, engine.device.type, engine.accum)
     if memory_plan is not None:
-        print0(f"[memory] predicted per device ({plan.name}; all backends: make memory): "
-                      + describe_plan(memory_plan))
-    mlm_fraction = (cfg.data.mlm_probability if cfg.model.sparse_mlm_head else 1.0) if cfg.task.kind == "mlm" else None
-    flops_token = flops_per_token(model_config, cfg.data.max_seq_length, mlm_fraction)
-    peak, peak_source = peak_flops(engine.device, cfg.train.mixed_precision, cfg.train.tf32)
-    print0(f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} TFLOP/s per device "
-                  f"({peak_source}); MFU counts every device" + (", idle pipeline bubbles included" if plan.pipeline else ""))
+        print0(f"[memory] predicted per device ({plan.name}; all backends: make memory): " + describe_plan(memory_plan))
+    flops_token, peak, line = mfu_terms(model_config, cfg.data, cfg.model, cfg.task.kind, cfg.train, engine.device,
+                                        plan.pipeline)
+    print0(line)
     return backend, memory_plan, flops_token, peak
 
 
@@ -378,18 +344,11 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
     _, warning = watch.verdict(row["data_wait_worst"], row["window_steps"], row["window_s"], row.get("gpu_busy_least_rank"))
     if warning:
         print0(warning)
-    memory = ""
-    if engine.on_gpu:
-        memory = f" peak mem {row['peak_memory_gb']:.2f} GB (max over ranks; predicted {run.predicted_peak_gb:.2f})"
     run.state["tokens_seen"] = run.state.get("tokens_seen", 0) + int(row["window_tokens"])
     run.state["history"]["train"].append(row)
     run.trackers.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step)
-    print0(f"[train] step {step}/{run.total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
-                  f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
-                  f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
-                  f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
-                  f"data-wait {row['data_wait_share']:.0%} (worst rank {row['data_wait_worst']:.0%})" + memory
-                  + utilisation_text(row, run.cfg.logging.dataloader_warn_share))
+    print0(train_line(row, run.total_steps, run.predicted_peak_gb if engine.on_gpu else None,
+                      run.cfg.logging.dataloader_warn_share))
     return row
 
 
@@ -428,18 +387,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
     metrics.json, curves.png and the summary lines."""
     cfg, engine, state = run.cfg, run.engine, run.state
     if state["step"] < run.total_steps:   # halted or preempted: save and leave the rest to --resume auto
-        saved = "checkpoint saved" if checkpoint_now(run) else "no checkpoint (the last steps were not finite)"
-        halted = {"steps": state["step"], "halted": True}
-        if run.stop_signal:
-            name = signal.Signals(run.stop_signal).name
-            halted.update(preempted=name, exit_code=preempted_exit_code(run.stop_signal))
-            print0(f"[preempt] {name} received: every rank stopped after step {state['step']}/{run.total_steps}, "
-                   f"{saved}; exiting with code {halted['exit_code']}; continue"
-                   + (f" from {complete_checkpoints(run.output_dir)[-1]}" if saved == "checkpoint saved" else "")
-                   + " with --resume auto")
-        else:
-            print0(f"[halt] stopped at step {state['step']}/{run.total_steps} as train.halt_at_step asks; "
-                   f"{saved}, continue with --resume auto")
+        halted, line = halted_line(run.stop_signal, state["step"], run.total_steps, checkpoint_now(run), run.output_dir)
+        print0(line)
         if engine.is_main:
             write_metrics(run.output_dir / "metrics.json", halted, state["history"], {"config": flat_dict(cfg)})
         run.trackers.finish()
@@ -471,7 +420,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
         final["majority_baseline_accuracy"] = run.baseline
     if cfg.checkpoint.export:
         card = model_card(to_dict(cfg), final, run.backend, state.get("tokens_seen", 0))
-        export_dir = export(run, card)
+        export_dir = export_agreed(engine, run.output_dir / "model", run.tokenizer, run.config_yaml, card,
+                                   state["step"], run.export_bytes)
         print0(f"[export] Hugging Face model (fp32) + tokenizer + model card -> {export_dir}")
         if cfg.checkpoint.push_to_hub and engine.is_main:
             push_to_hub(cfg.checkpoint, cfg.run.name, export_dir)
@@ -489,21 +439,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
     return final
 
 
-def export(run: Run, card: str) -> Path:
-    """engine.export, agreed on by every rank (guard.written_by_all): a full disk on rank 0 is one line,
-    <output_dir>/model.partial is removed and the checkpoints stay, every rank exits with code 5."""
-    out, step = run.output_dir / "model", run.state["step"]
-    needed = (run.export_bytes, "an estimate: 4 bytes per parameter, the fp32 weights")
-    then = "the partial export was removed and the checkpoints stay: free space there, then rerun with --resume auto"
-    written_by_all(lambda: run.engine.export(out, run.tokenizer, run.config_yaml, card), run.engine.control,
-                   run.engine.is_main, lambda: shutil.rmtree(partial_export(out), ignore_errors=True),
-                   lambda err: disk_full(err, partial_export(out), "the export", step, needed, then))
-    return out
-
-
 def run_cli(argv: list[str] | None = None) -> int:
     """train.py's command line: main, and its exit codes with their one-line messages (exits.run_train)."""
-    from bert_recipes.exits import run_train
     return run_train(argv, main)
 
 

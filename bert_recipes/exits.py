@@ -1,4 +1,5 @@
-"""train.py's command line around `main(cfg) -> metrics`: each way a run ends, its exit code and its one line.
+"""train.py's command line around `main(cfg) -> metrics`: each way a run ends, its exit code and its one line
+(halted_line: a run stopped before its last step).
 
 Above cli.py (the command line read before torch loads), guard.py (what stops a run, the exit codes) and
 checkpoint.py (where a Ctrl-C's line finds the checkpoint to continue from), so that none of them imports
@@ -13,7 +14,7 @@ from .checkpoint import complete_checkpoints
 from .cli import say_config_error
 from .config import Config, ConfigError, first_line, parse_train_args, to_yaml, validate
 from .guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TIMEOUT, INTERRUPTION, DiskFull, Diverged,
-                    is_collective_timeout)
+                    is_collective_timeout, preempted_exit_code)
 
 
 def run_train(argv: list[str] | None, main) -> int:
@@ -62,3 +63,19 @@ def interrupted(rank: int, output_dir: str | None, resume: str | None) -> int:
         # on a line of its own: a progress bar the Ctrl-C cut off has not ended its line
         print("\n" + INTERRUPTION.line(saved, resume), file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
+
+
+def halted_line(stop_signal: int, step: int, total_steps: int, saved: bool, output_dir) -> tuple[dict, str]:
+    """A run that stopped before its last step, on a stop signal (preempted: exit 128 + signal) or at
+    train.halt_at_step (exit 0). -> (what metrics.json records, the [preempt] or [halt] line)."""
+    import signal
+    said = "checkpoint saved" if saved else "no checkpoint (the last steps were not finite)"
+    halted = {"steps": step, "halted": True}
+    if not stop_signal:
+        return halted, (f"[halt] stopped at step {step}/{total_steps} as train.halt_at_step asks; {said}, continue "
+                        "with --resume auto")
+    name = signal.Signals(stop_signal).name
+    halted.update(preempted=name, exit_code=preempted_exit_code(stop_signal))
+    return halted, (f"[preempt] {name} received: every rank stopped after step {step}/{total_steps}, {said}; exiting "
+                    f"with code {halted['exit_code']}; continue" + (f" from {complete_checkpoints(output_dir)[-1]}"
+                                                                    if saved else "") + " with --resume auto")

@@ -116,6 +116,20 @@ class Throughput:
         return out
 
 
+def train_line(row: dict, total_steps: int, predicted_peak_gb: float | None, warn_share: float) -> str:
+    """The [train] line of a log step: loss, lr, grad norm, throughput, MFU, data wait; on GPUs the peak memory
+    (max over ranks) beside the planner's prediction, and the GPU sampler's part."""
+    from .perf import utilisation_text
+    memory = "" if predicted_peak_gb is None else \
+        f" peak mem {row['peak_memory_gb']:.2f} GB (max over ranks; predicted {predicted_peak_gb:.2f})"
+    return (f"[train] step {row['step']}/{total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
+            f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
+            f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
+            f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
+            f"data-wait {row['data_wait_share']:.0%} (worst rank {row['data_wait_worst']:.0%})" + memory
+            + utilisation_text(row, warn_share))
+
+
 def write_metrics(path: Path, final: dict, history: dict, extra: dict) -> None:
     path.write_text(json.dumps({"final": final, "history": history, **extra}, indent=2, default=str))
 

@@ -1,4 +1,5 @@
-"""Throughput accounting: BERT FLOPs per token, the device's peak, and the data-loader verdict.
+"""Throughput accounting: BERT FLOPs per token, the device's peak (with the run's [mfu] line: mfu_terms), and
+the data-loader verdict.
 
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs counted from the architecture (the
 PaLM-paper convention: matmuls only, backward = 2 x forward, recomputation not counted).
@@ -225,3 +226,14 @@ def peak_memory_gb(all_sum, rank: int, world: int, device, on_gpu: bool) -> list
     local = torch.zeros(world, dtype=torch.float64, device=device)
     local[rank] = torch.cuda.max_memory_allocated() / 1e9
     return all_sum(local).tolist()
+
+
+def mfu_terms(model_config, data, model, task_kind: str, train, device, pipeline: bool) -> tuple[float, float, str]:
+    """MFU's terms for this run: training FLOPs per token (an MLM head over the masked tokens only when
+    model.sparse_mlm_head) and one device's peak. -> (FLOPs per token, peak FLOP/s, the [mfu] line)."""
+    mlm_fraction = (data.mlm_probability if model.sparse_mlm_head else 1.0) if task_kind == "mlm" else None
+    flops_token = flops_per_token(model_config, data.max_seq_length, mlm_fraction)
+    peak, peak_source = peak_flops(device, train.mixed_precision, train.tf32)
+    return flops_token, peak, (f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} "
+                               f"TFLOP/s per device ({peak_source}); MFU counts every device"
+                               + (", idle pipeline bubbles included" if pipeline else ""))

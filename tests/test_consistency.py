@@ -169,7 +169,7 @@ def test_tools_do_not_import_train_py():
 
 
 def test_the_house_stays_readable():
-    """No function in train.py or bert_recipes/ past about 80 lines, no file in bert_recipes/ past about 450 (a margin
+    """No function in train.py or bert_recipes/ past about 80 lines, no file of them past about 450 (a margin
     of 5 and 10 lines): a file that grows is split by role before it takes more (docs/changing.md)."""
     import ast
     files = [REPO / "train.py"] + sorted((REPO / "bert_recipes").rglob("*.py"))
@@ -177,6 +177,6 @@ def test_the_house_stays_readable():
                       for path in files for node in ast.walk(ast.parse(path.read_text()))
                       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
                       and node.end_lineno - node.lineno + 1 > 85]
-    long_files = [f"{path.relative_to(REPO)} ({n} lines)" for path in files[1:]
+    long_files = [f"{path.relative_to(REPO)} ({n} lines)" for path in files
                   if (n := path.read_text().count("\n")) > 460]
     assert not long_functions and not long_files, (long_functions, long_files)
