@@ -18,6 +18,11 @@ sys.path.insert(0, str(REPO))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# MLflow's telemetry, off as on a CI host (which it detects): imported by the trackers test, it otherwise sets
+# _MLFLOW_TELEMETRY_SESSION_ID in this process, and every process started after it differed from the warm
+# server's environment and started cold (2026-12-04 here: 120 warm, 309 cold, 28 minutes against about 20)
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ["DO_NOT_TRACK"] = "true"
 # One intra-op thread for torch in this process and every one it starts (the launches already ran their
 # ranks so): tiny models gain nothing from a second thread, and a second thread made every op wait for
 # whichever core DeepSpeed's background op build held (tests/build_ds_ops.py). Measured 2026-12-01: the GPU
