@@ -36,6 +36,7 @@ from bert_recipes.backends.fsdp import plain_norm
 from bert_recipes.backends.plan import launch_plan_here
 from bert_recipes.checkpoint import read_train_state, save_checkpoint, start_writing
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
+from bert_recipes.corpora import same_files_on_every_rank
 from bert_recipes.data import prepare_data
 from bert_recipes.engine import build_engine
 from bert_recipes.exits import halted_line, run_train
@@ -113,6 +114,7 @@ def main(cfg: Config) -> dict:
                           seed=cfg.run.seed)
     if auto_micro_batch:   # each rank sized it from its own GPU: a trial step confirms it there, all ranks agree
         confirm_micro_batch(cfg, plan, engine)
+    same_files_on_every_rank(cfg.data, engine.control)   # each node resolved data.train_files on its own disk
     set_seed(cfg.run.seed)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
            f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
@@ -164,8 +166,7 @@ def main(cfg: Config) -> dict:
     if checkpoint is not None:
         resume(run, checkpoint)
     run.state["layout"], run.state["total_steps"] = layout, total_steps
-    start_writing(output_dir, config_yaml, tokenizer, cfg.run.overwrite, cfg.checkpoint.resume, engine,
-                  run.state["step"])   # every check has passed
+    start_writing(output_dir, config_yaml, tokenizer, cfg.run.overwrite, cfg.checkpoint.resume, engine, run.state)
     # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
     run.state["trackers"] = {**run.state.get("trackers", {}),
                              **run.trackers.start(cfg.run.name, flat_dict(cfg), run.state.get("trackers"))}

@@ -387,9 +387,10 @@ def start_output_dir(output_dir: Path, config_yaml: str, overwrite: bool, resume
 
 
 def start_writing(output_dir: Path, config_yaml: str, tokenizer, overwrite: bool, resume: str | None, engine,
-                  step: int) -> None:
-    """Rank 0 starts the output directory (the resolved config) and copies the tokenizer in; every rank
-    agrees on it (guard.written_by_all): a full disk is one line, on every rank exit code 5."""
+                  train_state: dict) -> None:
+    """A run's first write, once every check has passed: rank 0 starts the output directory (the resolved config)
+    and copies the tokenizer in; every rank agrees on it (guard.written_by_all): a full disk is one line, on every
+    rank exit code 5."""
     from .guard import disk_full, written_by_all
     from .places import creating
 
@@ -398,5 +399,5 @@ def start_writing(output_dir: Path, config_yaml: str, tokenizer, overwrite: bool
             start_output_dir(output_dir, config_yaml, overwrite, resume)
             tokenizer.save_pretrained(output_dir / "tokenizer")
     written_by_all(write if engine.is_main else lambda: None, engine.control, engine.is_main, lambda: None,
-                   lambda err: disk_full(err, output_dir, "the run's config and tokenizer", step, None,
+                   lambda err: disk_full(err, output_dir, "the run's config and tokenizer", train_state["step"], None,
                                          "nothing was trained: free space there, then run again"))

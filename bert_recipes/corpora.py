@@ -15,7 +15,9 @@ Hidden files (a leading dot) are skipped, as datasets skips them. The entries' o
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import zlib
 from pathlib import Path
 
 from .config import ConfigError, DataConfig, first_line, path_kind
@@ -159,6 +161,25 @@ def resolve_into(data: DataConfig, checkpoint_files: dict[str, list | None] | No
     if "validation" in files:
         data.validation_files = files["validation"]
     return notes
+
+
+def same_files_on_every_rank(data: DataConfig, group) -> None:
+    """Each rank resolved the file lists itself (preflight), on its node's view of the disk: a node whose copy of
+    a directory lacks a shard, holds one more, or one still being copied, would train on other data. The lists
+    (names, sizes) are compared across the ranks, once, before any data is read: one line on every rank."""
+    if data.source != "files" or group is None:
+        return
+    from .guard import all_max
+    files = list(data.train_files or []) + list(data.validation_files or [])
+    listing = json.dumps([(f, Path(f).stat().st_size) for f in files]).encode()
+    digest = float(zlib.crc32(listing))   # below 2**32: exact in all_max's float64
+    high, low = all_max([digest, -digest], group)
+    if high != -low:
+        total = _size(sum(Path(f).stat().st_size for f in files))
+        here = f"rank {os.environ.get('RANK', '0')}: {len(files)} file{'s' * (len(files) > 1)}, {total}"
+        raise ConfigError(f"{', '.join(FILE_KEYS)}: the ranks resolved different files ({here}; another rank's node "
+                          "sees other names or sizes): give every node the same files (a shared filesystem, or "
+                          "complete copies on each node)")
 
 
 def corrupt_file(files: list[str]) -> str | None:

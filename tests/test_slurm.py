@@ -208,6 +208,31 @@ def test_zero3_two_nodes_and_a_mistake_is_one_line(cluster, tmp_path, sample_dir
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == written
 
 
+def test_nodes_that_see_different_shards_are_one_line(cluster, tmp_path, sample_dir, shared_tokenizer):
+    """data.train_files names a node-local directory whose copy on n2 is still being written (its last shard
+    shorter): each node's ranks resolved their own list, and the lists are compared before any data is read. One
+    config error line (rank 0's, and n2's first rank's), exit 2 on every rank, no traceback, nothing written."""
+    lines = (sample_dir / "pretrain/train.txt").read_text().splitlines(keepends=True)[:400]
+    for node, short in (("n1", 0), ("n2", 40)):
+        shards = cluster / "nodes" / node / "local" / tmp_path.name / "shards"
+        shards.mkdir(parents=True)
+        for i in range(4):
+            part = lines[i * 100:(i + 1) * 100 - (short if i == 3 else 0)]
+            (shards / f"part-{i:05d}.txt").write_text("".join(part))
+    local = cluster / "local" / tmp_path.name
+    args = tiny(tmp_path / "run", local / "cache", sample_dir, shared_tokenizer,
+                **{"data.source": "files", "data.train_files": f"[{local / 'shards'}]", "train.max_steps": 4})
+    job = Job(cluster, tmp_path, "slurm/ddp.sbatch", args, {"ACCELERATE_USE_CPU": "1"})
+    info, log = job.done(), job.log()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["NodeList"] == "n[1-2]", \
+        (info, log[-3000:])
+    errors = [line for line in log.splitlines() if line.startswith("config error:")]
+    assert 1 <= len(errors) <= 2, log[-3000:]
+    assert all("data.train_files, data.validation_files: the ranks resolved different files" in e for e in errors)
+    assert "rank 0: 4 files" in log and "Traceback" not in log, log[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 def lose_node(cluster: Path, tmp_path: Path, sample_dir, tokenizer, how, gpus: int, **over) -> tuple[Job, float]:
     """slurm/ddp.sbatch with --nodes=1-2 (--spread-job: both nodes while both are up), node n2 lost once a
     periodic checkpoint exists; the seconds until node n1's ranks were gone."""
