@@ -169,14 +169,13 @@ def same_files_on_every_rank(data: DataConfig, group) -> None:
     (names, sizes) are compared across the ranks, once, before any data is read: one line on every rank."""
     if data.source != "files" or group is None:
         return
-    from .guard import all_max
+    from .guard import spread
     files = list(data.train_files or []) + list(data.validation_files or [])
-    listing = json.dumps([(f, Path(f).stat().st_size) for f in files]).encode()
-    digest = float(zlib.crc32(listing))   # below 2**32: exact in all_max's float64
-    high, low = all_max([digest, -digest], group)
-    if high != -low:
-        total = _size(sum(Path(f).stat().st_size for f in files))
-        here = f"rank {os.environ.get('RANK', '0')}: {len(files)} file{'s' * (len(files) > 1)}, {total}"
+    sizes = [Path(f).stat().st_size for f in files]
+    digest = float(zlib.crc32(json.dumps(list(zip(files, sizes))).encode()))   # below 2**32: exact in float64
+    low, high = spread(digest, group)
+    if low != high:
+        here = f"rank {os.environ.get('RANK', '0')}: {len(files)} file{'s' * (len(files) > 1)}, {_size(sum(sizes))}"
         raise ConfigError(f"{', '.join(FILE_KEYS)}: the ranks resolved different files ({here}; another rank's node "
                           "sees other names or sizes): give every node the same files (a shared filesystem, or "
                           "complete copies on each node)")

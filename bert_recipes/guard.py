@@ -167,6 +167,12 @@ def all_max(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
+def spread(value: float, group) -> tuple[float, float]:
+    """(smallest, largest) of a value over the ranks of `group`, in one all-reduce: equal when every rank agrees."""
+    high, low = all_max([value, -value], group)
+    return -low, high
+
+
 def slow_barrier(group, timeout_s: float, what: str):
     """A barrier for waits that can be long by design (rank 0 downloads or tokenizes while the
     others wait): gloo's monitored barrier with its own timeout, which names the rank that never

@@ -200,11 +200,11 @@ def resumed_setting(cfg: Config, section: str, key: str):
 def same_on_every_rank(value: int, group, key: str) -> None:
     """A setting each rank decided alone (train.micro_batch_size=auto, from its own GPU's memory) must
     agree: the smallest is the one to set when it does not."""
-    from .guard import all_max
-    high, low = all_max([value, -value], group)
-    if high != -low:
-        raise ConfigError(f"{key}=auto: the ranks' GPUs allow different values ({int(-low)} to {int(high)}); set "
-                          f"--{key}={int(-low)}")
+    from .guard import spread
+    low, high = spread(value, group)
+    if low != high:
+        raise ConfigError(f"{key}=auto: the ranks' GPUs allow different values ({int(low)} to {int(high)}); set "
+                          f"--{key}={int(low)}")
 
 
 def launch_plan(config_file: str, env=os.environ) -> LaunchPlan:

@@ -230,6 +230,7 @@ def test_nodes_that_see_different_shards_are_one_line(cluster, tmp_path, sample_
     assert 1 <= len(errors) <= 2, log[-3000:]
     assert all("data.train_files, data.validation_files: the ranks resolved different files" in e for e in errors)
     assert "rank 0: 4 files" in log and "Traceback" not in log, log[-3000:]
+    assert "[slurm] node 1/2" in log   # the ranks of both nodes started and compared (not the batch's preflight)
     assert not (tmp_path / "run").exists()
 
 
