@@ -75,8 +75,8 @@ test: setup  ## run the test suite (CPU, offline)
 # the same file): CPU=1 takes a row's cpu_config and prefixes its cpu_env.
 BACKENDS := accelerate_configs/backends.tsv
 MODES    := $(shell awk -F'\t' '!/^\#/ {print $$1}' $(BACKENDS))
-MULTI_NODE_MODES  := $(filter multinode%,$(MODES))
-SINGLE_HOST_MODES := $(filter-out multinode%,$(MODES))
+MULTI_NODE_MODES  := $(shell awk -F'\t' '!/^\#/ && $$5 > 1 {print $$1}' $(BACKENDS))   # the nodes column
+SINGLE_HOST_MODES := $(filter-out $(MULTI_NODE_MODES),$(MODES))
 col       = $(shell awk -F'\t' '$$1=="$(1)" {print $$$(2)}' $(BACKENDS))
 # Processes: NPROC if given, 2 with CPU=1, else one per GPU present (the YAMLs' num_processes: 8 is
 # documentation; Accelerate would start 8 ranks on a 4-GPU host, and the extra ones die).
@@ -95,14 +95,14 @@ modes:  ## list the parallelism targets: make <mode> [CPU=1] [RECIPE=...] [NPROC
 	@awk -F'\t' '!/^\#/ {printf "  make %-14s %s\n", $$1, $$2}' $(BACKENDS)
 
 # A row whose cpu_config is gpu-only (FSDP) has no CPU launch: CPU=1 is one line and exit 2.
-GPU_ONLY_CHECK = $(if $(CPU),$(if $(filter gpu-only,$(call col,$@,3)),echo "config error: make $@ CPU=1: $@ runs on GPUs only (accelerate_configs/backends.tsv); on CPU processes use make ddp CPU=1 (or make zero3 CPU=1 for sharded parameters)" >&2; exit 2,:),:)
+GPU_ONLY_CHECK = $(if $(CPU),$(if $(filter gpu-only,$(call col,$@,3)),echo "config error: make $@ CPU=1: $@ runs on GPUs only (accelerate_configs/backends.tsv); on CPU processes use a DDP or ZeRO row (make modes)" >&2; exit 2,:),:)
 
 $(SINGLE_HOST_MODES): setup
 	@$(GPU_ONLY_CHECK)
 	@$(CPU_ENV) $(PREFLIGHT) $(MODE_CONFIG) $(NPROC_ARG) -- --recipe $(RECIPE) $(ARGS)
 	$(CPU_ENV) $(GPU_ENV) $(LAUNCH) --config_file $(MODE_CONFIG) $(NPROC_ARG) train.py --recipe $(RECIPE) $(ARGS)
 
-# Multi-node rows: on each node, make multinode[-zero3] MACHINE_RANK=<0|1> MAIN_IP=<main node ip> (or use
+# Multi-node rows (nodes > 1 in the table): on each node, make <row> MACHINE_RANK=<0|1> MAIN_IP=<main node ip> (or use
 # slurm/, which fills these in from SLURM's variables). CPU=1 runs 2 "nodes" x 1 process on 127.0.0.1.
 $(MULTI_NODE_MODES): setup
 ifdef CPU
@@ -151,7 +151,7 @@ prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped 
 glue: setup  ## the nine GLUE tasks for MODEL (Hub name or dir; default bert-base-uncased): glue_results.md + submission/ (CONFIG=, CPU=1, ARGS="-- --train.epochs=1")
 	$(PY) tools/glue.py --model $(or $(MODEL),bert-base-uncased) $(if $(CONFIG),--config $(CONFIG)) $(if $(CPU),--cpu) $(ARGS)
 
-gpu-smoke: setup  ## one GPU, ~10 min: DDP x fp32/bf16/fp16, ZeRO-2/3, offload, FSDP2 in bf16: eval, checkpoint, resume, export (ARGS="--matrix full")
+gpu-smoke: setup  ## one GPU, ~12 min: every one-node row (DDP x fp32/bf16/fp16, the rest bf16): eval, checkpoint, resume, export (ARGS="--matrix full")
 	$(PY) tools/gpu_smoke.py $(ARGS)
 
 gpu-check: setup  ## every backend row for a few steps on the GPUs present: steps/s, peak memory, loss (ARGS="--rows ddp,zero2")

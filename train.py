@@ -30,34 +30,35 @@ if __name__ == "__main__":   # a mistake in the recipe or its overrides: one lin
 import torch  # noqa: E402 (after the command line's check)
 
 from bert_recipes.activations import Shape
-from bert_recipes.backends.deepspeed import deepspeed_step
+from bert_recipes.backends.deepspeed import deepspeed_norm_and_skip
 from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
-from bert_recipes.backends.fsdp import plain_norm
+from bert_recipes.backends.pipeline import train_batch
 from bert_recipes.backends.plan import launch_plan_here
-from bert_recipes.checkpoint import read_train_state, save_checkpoint, start_writing
+from bert_recipes.checkpoint import pick_checkpoint, read_train_state, save_checkpoint
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
 from bert_recipes.corpora import same_files_on_every_rank
 from bert_recipes.data import prepare_data
+from bert_recipes.divergence import StepGuard
+from bert_recipes.doctor.nvml import start_sampler
 from bert_recipes.engine import build_engine
-from bert_recipes.exits import halted_line, run_train
-from bert_recipes.export import model_card
-from bert_recipes.guard import INTERRUPTION, Preemption, StepGuard, StopAgreement, leave, on_any_rank
-from bert_recipes.interface import Engine
-from bert_recipes.layout import pick_checkpoint
-from bert_recipes.logs import Throughput, Trackers, plot_curves, train_line, write_metrics
+from bert_recipes.exits import halted_line, leave, run_train
+from bert_recipes.export import export_agreed, model_card, push_to_hub
+from bert_recipes.interface import AccelerateStep, Engine
+from bert_recipes.layout import resume_layout, run_layout, saved_layout
+from bert_recipes.logs import Trackers, plot_curves, write_metrics
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
-from bert_recipes.optim import build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if
-from bert_recipes.doctor.nvml import start_sampler
-from bert_recipes.perf import DataLoaderWatch, mfu_terms, profile_table, rank_extremes, start_profiler
-from bert_recipes.pipeline import train_batch
+from bert_recipes.optim import (build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if,
+                                total_norm)
 from bert_recipes.preflight import preflight
-from bert_recipes.rank0 import on_nodes
-from bert_recipes.ranks import all_sum, broadcast, print0
-from bert_recipes.results import (export_agreed, extra_evaluations, keep_best, push_to_hub, restore_best,
-                                  write_predictions)
+from bert_recipes.ranks import all_sum, broadcast, on_any_rank, on_nodes, print0
+from bert_recipes.results import extra_evaluations, keep_best, restore_best, write_predictions
+from bert_recipes.run_dir import check_shared_output_dir, start_writing
+from bert_recipes.signals import INTERRUPTION, Preemption, StopAgreement
 from bert_recipes.sync_audit import SyncAudit
+from bert_recipes.throughput import (DataLoaderWatch, Throughput, mfu_terms, profile_table, rank_extremes,
+                                     start_profiler, train_line)
 from bert_recipes.trial import confirm_micro_batch
 
 
@@ -118,8 +119,7 @@ def main(cfg: Config) -> dict:
     set_seed(cfg.run.seed)
     print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
            f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
-    checkpoint, layout = pick_checkpoint(cfg.checkpoint.resume, plan, cfg.train.micro_batch_size, engine, output_dir,
-                                         notes)
+    checkpoint, layout = starting_point(cfg, plan, engine, output_dir, notes)
 
     # -------------------------------------------------------------------- data
     INTERRUPTION.at("data preparation")
@@ -180,6 +180,23 @@ def main(cfg: Config) -> dict:
         run.preemption.uninstall(ignore_from_now=bool(run.stop_signal))
 
 
+def starting_point(cfg: Config, plan, engine: Engine, output_dir: Path, notes: list[str]) -> tuple:
+    """Where the run starts: the checkpoint checkpoint.resume names (None: step 0), which rank 0 picks and tells the
+    others, and this run's layout over processes, saved with each checkpoint. Every rank must see output_dir
+    (checkpoints are written into directories rank 0 creates); preflight's notes come first, then the resume's.
+    Another process count re-cuts the saved state (a line) or is refused in one (layout.resume_layout).
+    -> (checkpoint or None, layout)."""
+    check_shared_output_dir(output_dir, engine)
+    for note in notes:
+        print0(note)
+    checkpoint = pick_checkpoint(cfg.checkpoint.resume, output_dir, engine)
+    layout = run_layout(plan, cfg.train.micro_batch_size)
+    changed = resume_layout(saved_layout(checkpoint), layout, checkpoint) if checkpoint is not None else None
+    if changed:
+        print0(changed)
+    return checkpoint, layout
+
+
 def resume(run: Run, checkpoint) -> None:
     """The checkpoint's weights, optimizer, schedule and RNG (engine.load) and the loop's state; a run of another
     length follows its own schedule from the checkpoint's step on (a line)."""
@@ -224,27 +241,29 @@ def describe_run(cfg: Config, plan, engine: Engine, model_config):
 def train_step(run: Run, batches) -> tuple:
     """One optimizer step: `accum` micro batches, clip, step, schedule, in Accelerate's idiom. A step whose loss
     (on any rank) or gradient norm is not finite updates nothing, decided on the device (optim.skip_update_if).
+    Each branch reads its engine's contract (bert_recipes/interface.py): PipelineStep, AccelerateStep.
     -> (mean loss, grad norm, skipped, fp16 overflow): device tensors the host has not waited for (DeepSpeed and
     the pipeline decide their skips on the host, inside their own steps)."""
     engine = run.engine
     if engine.plan.pipeline:   # DeepSpeed's pipeline engine runs the micro batches, clips, steps and schedules
         return train_batch(engine.engine, batches)
-    a, model, optimizer = engine.accelerator, engine.model, engine.optimizer
+    step: AccelerateStep = engine
+    a, model, optimizer = step.accelerator, step.model, step.optimizer
     losses = []
-    for _ in range(engine.accum):
+    for _ in range(step.accum):
         with a.accumulate(model):   # syncs gradients on the last micro batch only
             loss = model(**next(batches)).loss
             a.backward(loss)        # DeepSpeed clips and steps inside, on the last micro batch
         losses.append(loss.detach())
     assert a.sync_gradients, "the loop and Accelerate disagree on the accumulation boundary"
     loss = torch.stack(losses).float().mean()
-    if engine.plan.deepspeed:   # DeepSpeed clipped and stepped, or skipped a non-finite step (its overflow check)
-        grad_norm, skipped = deepspeed_step(a, model)
+    if step.plan.deepspeed:   # DeepSpeed clipped and stepped, or skipped a non-finite step (its overflow check)
+        grad_norm, skipped = deepspeed_norm_and_skip(a, model)
         if not skipped:         # as DeepSpeed's own schedules (and the Trainer) do
-            engine.scheduler.step()
+            step.scheduler.step()
         return loss, grad_norm, skipped, False
     max_norm = run.cfg.optim.max_grad_norm or float("inf")   # inf: measure the norm, never clip
-    grad_norm = plain_norm(a.clip_grad_norm_(model.parameters(), max_norm))   # fp16: unscales first
+    grad_norm = total_norm(a.clip_grad_norm_(model.parameters(), max_norm))   # fp16: unscales first
     loss_bad = on_any_rank(~torch.isfinite(loss))
     skipped = loss_bad | ~torch.isfinite(grad_norm)   # the norm is global: the same on every rank
     if skip_update_if(optimizer, a.scaler, skipped):
@@ -252,7 +271,7 @@ def train_step(run: Run, batches) -> tuple:
     optimizer.zero_grad(set_to_none=True)
     # The schedule advances every step, applied or skipped: the host does not know which (the lr of
     # step n is the schedule's, whatever earlier steps did; a skipped step's lr goes unused).
-    engine.scheduler.step()
+    step.scheduler.step()
     return loss, grad_norm, skipped, (skipped & ~loss_bad) if a.scaler is not None else False
 
 
@@ -288,7 +307,7 @@ def train(run: Run) -> None:
                 loss, grad_norm, skipped, overflow = train_step(run, batches)
                 run.guard.add(state["step"] + 1, loss, grad_norm, skipped, overflow)
                 meter.add_step(loss)
-                # a stop signal any rank got, agreed one or two steps later without waiting (guard.StopAgreement)
+                # a stop signal any rank got, agreed one or two steps later without waiting (signals.StopAgreement)
                 run.stop_signal = agreement.after_step(run.preemption.received)
             state["step"] += 1
             bar.update(1)
@@ -319,7 +338,7 @@ def train(run: Run) -> None:
 
 
 def check_guard(run: Run) -> None:
-    """Read the non-finite-step counters (a log, eval or checkpoint step: guard.StepGuard); raises
+    """Read the non-finite-step counters (a log, eval or checkpoint step: divergence.StepGuard); raises
     Diverged after train.max_bad_steps in a row."""
     note = run.guard.check(run.state["step"], run.engine.lr())
     run.state["skipped_steps"] = run.guard.skipped_total
@@ -446,4 +465,4 @@ def run_cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    leave(run_cli())   # without tearing gloo down (guard.leave)
+    leave(run_cli())   # without tearing gloo down (exits.leave)

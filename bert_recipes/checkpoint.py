@@ -17,8 +17,8 @@ import shutil
 import zlib
 from pathlib import Path
 
-from .config import ConfigError, nearest_existing, path_kind
-from .ranks import barrier, broadcast
+from .config import ConfigError, path_kind
+from .ranks import broadcast, on_rank0, print0
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "train_state.json"
@@ -100,6 +100,15 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> tuple[Path | N
     return path, []
 
 
+def pick_checkpoint(resume: str | None, output_dir: Path, engine) -> Path | None:
+    """The checkpoint checkpoint.resume names (None: a new run), picked by rank 0 (resolve_resume, its notes
+    printed) and told to the others: ranks may see the disk at different times."""
+    checkpoint, notes = on_rank0(engine.is_main, broadcast, lambda: resolve_resume(resume, output_dir))
+    for note in notes:
+        print0(note)
+    return checkpoint
+
+
 def check_resume_path(resume: str | None) -> Path | None:
     """An explicit checkpoint.resume must be a complete checkpoint (its files are verified later,
     on rank 0). -> its path (None for no resume or 'auto')."""
@@ -124,9 +133,10 @@ def save_checkpoint(output_dir: str | Path, step: int, train_state: dict, config
     pipeline engine's checkpoint), plus the loop's own state, the resolved config and the manifest; then
     atomically publish and prune. name: another directory than step_XXXXXXXX (checkpoints/best), which the
     rotation and --resume auto leave alone. Each of the three writes is agreed on by every rank
-    (guard.written_by_all): a full disk on any rank removes the .partial, keeps the previous checkpoint
-    and raises guard.DiskFull everywhere, with no rank left in a barrier."""
-    from .guard import disk_full, written_by_all
+    (ranks.written_by_all): a full disk on any rank removes the .partial, keeps the previous checkpoint
+    and raises disk.DiskFull everywhere, with no rank left in a barrier."""
+    from .disk import disk_full
+    from .ranks import written_by_all
     root = checkpoint_root(output_dir)
     final = root / (name or f"step_{step:08d}")
     partial = root / f"{final.name}.partial"
@@ -174,77 +184,6 @@ def read_train_state(path: Path) -> dict:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
-# ---------------------------------------------------------------------------- the output directory
-_NOT_THE_RUN = {"checkpoint.resume", "run.overwrite", "run.output_dir", "train.halt_at_step", "logging.progress_bar"}
-
-
-def config_differences(old_yaml: str, new_yaml: str) -> list[str]:
-    """'section.key: old -> new' for every setting that differs (ignoring those that only steer
-    this invocation: resume, overwrite, where the directory is, halt_at_step, the progress bar); a rule
-    the old config predates is one line in words, first (predated_rules)."""
-    rules, changes = _differences(old_yaml, new_yaml)
-    return rules + changes
-
-
-def _differences(old_yaml: str, new_yaml: str) -> tuple[list[str], list[str]]:
-    import yaml
-    old, new = yaml.safe_load(old_yaml) or {}, yaml.safe_load(new_yaml) or {}
-    flat = lambda d: {f"{s}.{k}": v for s, section in d.items() if isinstance(section, dict)   # noqa: E731
-                      for k, v in section.items()}
-    a, b = flat(old), flat(new)
-    rules, explained = predated_rules(a, b)
-    return rules, [f"{k}: {_shown(a.get(k))} -> {_shown(b.get(k))}" for k in sorted(set(a) | set(b))
-                   if k not in _NOT_THE_RUN | explained and a.get(k) != b.get(k)]
-
-
-def predated_rules(old: dict, new: dict) -> tuple[list[str], set[str]]:
-    """A saved config (flat 'section.key' dicts, as config_differences reads them) from before a
-    key existed followed the rule of its time: -> (a line for each rule that changes from here on, the keys
-    those lines account for). A key it lacks that changes nothing is no difference either."""
-    key = "optim.lamb_trust_ratio"
-    if key in old or key not in new:
-        return [], set()
-    if "lamb" not in (old.get("optim.name"), new.get("optim.name")) or new[key] == "all":
-        return [], {key}   # AdamW has no trust ratio; "all" is the old rule
-    return [f"LAMB's trust ratio changed: the checkpoint was trained with it on every tensor (the rule before "
-            f"{key} existed, = all); from here on only where weight decay applies ({key}={new[key]}, apex "
-            f"FusedLAMB's and NVIDIA BERT's); --{key}=all keeps the old rule"], {key}
-
-
-def _shown(value) -> str:
-    """A setting as a change names it; a long list (data files resolved from a pattern: hundreds of shards) by
-    its length and its ends."""
-    if isinstance(value, list) and len(value) > 4:
-        return f"[{len(value)} items: {value[0]!r}, ..., {value[-1]!r}]"
-    return repr(value)
-
-
-def check_output_dir(output_dir: Path, config_yaml: str, resume: str | None, overwrite: bool) -> list[str]:
-    """Never mix two runs in one directory: a new run where checkpoints exist is refused unless
-    run.overwrite; a resume with a changed config is allowed with a note naming the changes. The
-    directory must be creatable: not a file, not below a file, on a writable filesystem."""
-    check_writable_dir(output_dir, "run.output_dir")
-    found = complete_checkpoints(output_dir)
-    if not found:
-        return []
-    latest = found[-1]
-    saved = latest / CONFIG_FILE
-    changes = config_differences(saved.read_text(), config_yaml) if saved.exists() else []
-    if resume is None and not overwrite:
-        if changes:
-            shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
-            raise ConfigError(f"run.output_dir={output_dir} holds checkpoints (up to {latest.name}) of a different "
-                              f"run ({shown}): pick another run.output_dir, continue that run with --resume auto, "
-                              "or replace it with --run.overwrite=true")
-        raise ConfigError(f"run.output_dir={output_dir} already holds checkpoints of this run (up to {latest.name}): "
-                          "continue it with --resume auto, or start over with --run.overwrite=true")
-    if resume is not None and changes:
-        rules, rest = _differences(saved.read_text(), config_yaml)
-        return [f"[resume] {rule}" for rule in rules] + (
-            ["[resume] the config differs from the checkpoint's: " + "; ".join(rest)] if rest else [])
-    return []
-
-
 # What gives a model's tensors their shapes: a checkpoint written under other values cannot be loaded into this
 # run's model (torch's size mismatch, after the data was prepared). The vocabulary size counts only for a
 # tokenizer trained here; the dropouts, the attention implementation and the rest do not change a shape.
@@ -281,123 +220,3 @@ def resumed_checkpoint(output_dir: str | Path, resume: str | None) -> Path | Non
     if resume == "auto":
         return (complete_checkpoints(output_dir)[-1:] or [None])[0]
     return Path(resume) if resume else None
-
-
-def check_writable_dir(path: Path, key: str) -> None:
-    """`path` is a directory, or can be made one: its nearest existing ancestor is a writable directory."""
-    path = Path(path)
-    if path_kind(path, key) == "file":
-        raise ConfigError(f"{key}={path} is a file, not a directory: give a directory path (it is created if missing)")
-    existing = nearest_existing(path)
-    if not existing.is_dir():
-        raise ConfigError(f"{key}={path}: {existing} is a file, so the directory cannot be created there; "
-                          "give another path")
-    problem = cannot_create_in(existing)
-    if problem:
-        raise ConfigError(f"{key}={path}: nothing can be created in {existing} ({problem}); give a writable path")
-
-
-def unwritable_default(path: Path) -> str | None:
-    """Why a directory the user never named (a library's default cache) cannot be written: None when it can."""
-    try:
-        check_writable_dir(path, "")
-    except ConfigError as err:
-        return str(err).lstrip("=")
-    return None
-
-
-def cannot_create_in(directory: Path) -> str | None:
-    """Why no file can be created in `directory`, or None when one can: a probe file is created and removed
-    (the only thing a check writes), and the directory's times are set back, so the check leaves no trace.
-    os.access cannot tell: root passes it everywhere, yet a read-only mount or a pseudo-filesystem (/proc,
-    /sys) refuses the write itself."""
-    import tempfile
-    try:
-        before = os.stat(directory)
-        fd, probe = tempfile.mkstemp(prefix=".bert-recipes-probe-", dir=directory)
-    except OSError as err:
-        fs_type, options = filesystem_of(directory)
-        why = ("it is mounted read-only" if "ro" in options else f"it is on a {fs_type} filesystem"
-               if fs_type in PSEUDO_FILESYSTEMS else "this user may not write there")
-        return f"{why}: {err.strerror or type(err).__name__}"
-    os.close(fd)
-    os.unlink(probe)
-    try:
-        os.utime(directory, ns=(before.st_atime_ns, before.st_mtime_ns))
-    except OSError:
-        pass   # a directory this user may write in but not touch: the probe is gone all the same
-    return None
-
-
-PSEUDO_FILESYSTEMS = {"proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "securityfs", "tracefs", "configfs"}
-
-
-def filesystem_of(path: Path) -> tuple[str, set[str]]:
-    """(type, mount options) of the filesystem holding `path`, from /proc/self/mounts (the longest mount point
-    above it); ("unknown", set()) where that cannot be read."""
-    try:
-        mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
-    except OSError:
-        return "unknown", set()
-    target = Path(path).resolve()
-    best = max((m for m in mounts if len(m) >= 4 and (target == Path(m[1]) or Path(m[1]) in target.parents)),
-               key=lambda m: len(m[1]), default=None)
-    return (best[2], set(best[3].split(","))) if best else ("unknown", set())
-
-
-def check_shared_output_dir(output_dir: Path, engine) -> None:
-    """Rank 0 creates each checkpoint directory and every rank writes its own files into it, so all
-    ranks must see one output_dir. Rank 0 leaves a marker beside it; a rank that cannot see it is on
-    a node whose disk is not shared: refused, on every rank, before anything else is written."""
-    if engine.num_processes == 1:
-        return
-    import secrets
-
-    from .guard import all_max
-    marker = output_dir.parent / f".{output_dir.name}.shared-check-{broadcast(secrets.token_hex(8))}"
-    if engine.is_main:
-        from .places import creating
-        with creating("run.output_dir", output_dir):
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-    barrier()
-    blind = int(all_max([float(not marker.exists())], engine.control)[0])
-    barrier()
-    if engine.is_main:
-        marker.unlink()
-    if blind:
-        raise ConfigError(f"run.output_dir={output_dir} is not shared by every rank: some cannot see a file rank 0 "
-                          "wrote beside it (a node-local disk). Checkpoints are written by all ranks into "
-                          "directories rank 0 creates, so put run.output_dir on a filesystem every node mounts "
-                          "(NFS, Lustre, GPFS); the data and tokenizer caches may stay node-local")
-
-
-def start_output_dir(output_dir: Path, config_yaml: str, overwrite: bool, resume: str | None) -> None:
-    """Rank 0, once the run is known to start: clear an old run when run.overwrite asks for it
-    (never on a resume), then write the resolved config."""
-    if overwrite and resume is None:
-        for name in ("checkpoints", "model", "logs", "tokenizer", "metrics.json", "curves.png"):
-            target = output_dir / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / CONFIG_FILE).write_text(config_yaml)
-
-
-def start_writing(output_dir: Path, config_yaml: str, tokenizer, overwrite: bool, resume: str | None, engine,
-                  train_state: dict) -> None:
-    """A run's first write, once every check has passed: rank 0 starts the output directory (the resolved config)
-    and copies the tokenizer in; every rank agrees on it (guard.written_by_all): a full disk is one line, on every
-    rank exit code 5."""
-    from .guard import disk_full, written_by_all
-    from .places import creating
-
-    def write():
-        with creating("run.output_dir", output_dir):   # an OSError the checks could not foresee: one line
-            start_output_dir(output_dir, config_yaml, overwrite, resume)
-            tokenizer.save_pretrained(output_dir / "tokenizer")
-    written_by_all(write if engine.is_main else lambda: None, engine.control, engine.is_main, lambda: None,
-                   lambda err: disk_full(err, output_dir, "the run's config and tokenizer", train_state["step"], None,
-                                         "nothing was trained: free space there, then run again"))

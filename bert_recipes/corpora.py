@@ -169,7 +169,7 @@ def same_files_on_every_rank(data: DataConfig, group) -> None:
     (names, sizes) are compared across the ranks, once, before any data is read: one line on every rank."""
     if data.source != "files" or group is None:
         return
-    from .guard import spread
+    from .ranks import spread
     files = list(data.train_files or []) + list(data.validation_files or [])
     sizes = [Path(f).stat().st_size for f in files]
     digest = float(zlib.crc32(json.dumps(list(zip(files, sizes))).encode()))   # below 2**32: exact in float64

@@ -1,14 +1,14 @@
 """A run's data, end to end: raw text (bert_recipes/sources.py) -> tokenizer -> tokenized splits
-(tokenizing.py) -> collator (collate.py); rank 0 goes first (rank0.py); batching.py makes the batches."""
+(tokenizing.py) -> collator (collate.py); rank 0 goes first (ranks.main_first); batching.py makes the batches."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from .collate import ClassificationCollator, MLMCollator
 from .config import DataConfig, TaskConfig, TokenizerConfig
-from .guard import full_disk_is_one_line, fullest
+from .disk import full_disk_is_one_line, fullest
 from .places import make_place
-from .rank0 import main_first
+from .ranks import main_first
 from .sources import get_tokenizer, load_prepared, load_raw
 from .tokenizing import label_mapping, missing_classes, tokenize
 
@@ -19,7 +19,7 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     """raw text -> tokenizer (loaded, or trained once on rank 0) -> tokenized splits -> collator.
     The data, task and tokenizer sections meet here, with the model's name (its tokenizer) and the seed
     (the split and the masks). Rank 0 goes first (download, tokenize, cache); `barrier` lets the others
-    follow; on several nodes each node's first rank goes next, for a node-local cache (rank0.on_nodes). Prepared
+    follow; on several nodes each node's first rank goes next, for a node-local cache (ranks.on_nodes). Prepared
     data (data.source: prepared) is memory-mapped as `make prepare` wrote it. Text labels
     without task.label_names: their sorted order is written into `task.label_names`, so the resolved config
     and the export's id2label name them."""

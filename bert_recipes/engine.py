@@ -22,12 +22,11 @@ from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .config import DataConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import export_model
-from .guard import control_group, slow_barrier
 from .metrics import joined_rows
 from .modeling import batch_rows, predictions
 from .optim import build_scheduler, resume_schedule
-from .perf import peak_memory_gb
-from .ranks import all_sum, barrier, broadcast, print0
+from .throughput import peak_memory_gb
+from .ranks import all_sum, barrier, broadcast, control_group, print0, slow_barrier
 
 
 def build_engine(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data: DataConfig, optim: OptimConfig,
@@ -39,7 +38,7 @@ def build_engine(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data
     (train_step), the trackers and the output (bert_recipes/ranks.py): an engine keeps what differs."""
     sections = dict(train=train, data=data, optim=optim, task=task, seed=seed)
     if plan.pipeline:
-        from .pipeline import PipelineEngine
+        from .backends.pipeline import PipelineEngine
         return PipelineEngine(plan, output_dir, **sections)
     return AccelerateEngine(plan, output_dir, **sections)
 

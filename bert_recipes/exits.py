@@ -1,20 +1,34 @@
-"""train.py's command line around `main(cfg) -> metrics`: each way a run ends, its exit code and its one line
-(halted_line: a run stopped before its last step).
+"""How a run ends: each way's exit code and its one line, around train.py's `main(cfg) -> metrics` (run_train,
+which train.run_cli wraps), and how a finished process leaves (leave).
 
-Above cli.py (the command line read before torch loads), guard.py (what stops a run, the exit codes) and
-checkpoint.py (where a Ctrl-C's line finds the checkpoint to continue from), so that none of them imports
-another back: train.run_cli is a wrapper of run_train.
+    0 done (or halted at train.halt_at_step)      3 diverged (divergence.Diverged)
+    2 a config or input error (cli.py)            4 a collective timed out, or a rank was lost
+    5 a disk full (disk.DiskFull)                 128 + signal: preempted or interrupted (signals.py)
+
+Above cli.py (the command line read before torch loads), signals.py, divergence.py, disk.py and checkpoint.py
+(where a Ctrl-C's line finds the checkpoint to continue from), so that none of them imports another back.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from .checkpoint import complete_checkpoints
-from .cli import say_config_error
+from .cli import quick_exit, say_config_error
 from .config import Config, ConfigError, first_line, parse_train_args, to_yaml, validate
-from .guard import (EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TIMEOUT, INTERRUPTION, DiskFull, Diverged,
-                    is_collective_timeout, preempted_exit_code)
+from .disk import DiskFull
+from .divergence import Diverged
+from .signals import INTERRUPTION
+
+EXIT_DIVERGED = 3
+EXIT_TIMEOUT = 4
+EXIT_DISK_FULL = 5
+EXIT_INTERRUPTED = 128 + signal.SIGINT   # 130, as a shell reports a Ctrl-C
+
+
+def preempted_exit_code(signum: int) -> int:
+    return 128 + int(signum)
 
 
 def run_train(argv: list[str] | None, main) -> int:
@@ -56,7 +70,7 @@ def run_train(argv: list[str] | None, main) -> int:
 
 
 def interrupted(rank: int, output_dir: str | None, resume: str | None) -> int:
-    """A Ctrl-C outside the loop: one line, from rank 0 (guard.Interruption), and exit code 130 on every rank.
+    """A Ctrl-C outside the loop: one line, from rank 0 (signals.Interruption), and exit code 130 on every rank.
     What was being written is a .partial or a library's temporary file, so the same command runs again."""
     if rank == 0:
         saved = (complete_checkpoints(output_dir)[-1:] or [None])[0] if output_dir else None
@@ -68,7 +82,6 @@ def interrupted(rank: int, output_dir: str | None, resume: str | None) -> int:
 def halted_line(stop_signal: int, step: int, total_steps: int, saved: bool, output_dir) -> tuple[dict, str]:
     """A run that stopped before its last step, on a stop signal (preempted: exit 128 + signal) or at
     train.halt_at_step (exit 0). -> (what metrics.json records, the [preempt] or [halt] line)."""
-    import signal
     said = "checkpoint saved" if saved else "no checkpoint (the last steps were not finite)"
     halted = {"steps": step, "halted": True}
     if not stop_signal:
@@ -79,3 +92,27 @@ def halted_line(stop_signal: int, step: int, total_steps: int, saved: bool, outp
     return halted, (f"[preempt] {name} received: every rank stopped after step {step}/{total_steps}, {said}; exiting "
                     f"with code {halted['exit_code']}; continue" + (f" from {complete_checkpoints(output_dir)[-1]}"
                                                                     if saved else "") + " with --resume auto")
+
+
+def leave(code: int):
+    """Exit a distributed process without tearing gloo down: its worker threads, in
+    destroy_process_group as in the interpreter's finalization, can abort a finished run ("terminate
+    called without an active exception", SIGABRT; seen in CI, and under ZeRO-3 in tools/memory.py
+    --measure). A finished run first waits for every rank. Not distributed: cli.quick_exit (the exit
+    handlers run; the interpreter's teardown, about 1.2 s, is skipped)."""
+    import torch
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if code == 0:
+            torch.distributed.barrier()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    quick_exit(code)
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """A collective that gave up waiting for a peer: gloo's "Timed out waiting ...", NCCL's watchdog
+    timeout, a peer's socket closing under gloo, or our own data-preparation barrier."""
+    text = str(err)
+    return isinstance(err, TimeoutError) or (isinstance(err, RuntimeError) and any(
+        marker in text for marker in ("Timed out waiting", "Watchdog caught collective operation timeout",
+                                      "Connection closed by peer", "Connection reset by peer")))

@@ -1,6 +1,8 @@
 """The Hugging Face export every engine writes: config.json, fp32 model.safetensors (full weights, gathered
 where the backend shards them), the tokenizer, the recipe and a model card; loadable with plain
-from_pretrained."""
+from_pretrained. Written through <out>.partial and agreed on by every rank (export_agreed): a full disk is one
+line, and the previous export and the checkpoints stay. Then, where checkpoint.push_to_hub asks, uploaded to the
+Hub (push_to_hub)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +10,10 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from .config import CheckpointConfig
+from .disk import disk_full
+from .ranks import print0, written_by_all
 
 
 def full_state_dict(accelerator, model) -> dict:
@@ -61,6 +67,33 @@ def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state
 def partial_export(out: Path) -> Path:
     """Where write_export writes before it renames: <out>.partial."""
     return Path(out).with_name(Path(out).name + ".partial")
+
+
+def export_agreed(engine, out: Path, tokenizer, config_yaml: str, card: str, step: int, export_bytes: int) -> Path:
+    """engine.export, agreed on by every rank (ranks.written_by_all): a full disk on rank 0 is one line,
+    <output_dir>/model.partial is removed and the checkpoints stay, every rank exits with code 5."""
+    needed = (export_bytes, "an estimate: 4 bytes per parameter, the fp32 weights")
+    then = "the partial export was removed and the checkpoints stay: free space there, then rerun with --resume auto"
+    written_by_all(lambda: engine.export(out, tokenizer, config_yaml, card), engine.control, engine.is_main,
+                   lambda: shutil.rmtree(partial_export(out), ignore_errors=True),
+                   lambda err: disk_full(err, partial_export(out), "the export", step, needed, then))
+    return out
+
+
+def push_to_hub(ckpt: CheckpointConfig, run_name: str, export_dir: Path) -> None:
+    """Upload the export (weights, tokenizer, recipe, model card) to checkpoint.hub_model_id. A failed
+    upload does not undo the run: it says so and how to retry."""
+    repo = ckpt.hub_model_id
+    try:
+        from huggingface_hub import HfApi
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        info = api.upload_folder(folder_path=str(export_dir), repo_id=repo, commit_message=f"bert-recipes: {run_name}")
+        print0(f"[hub] uploaded {export_dir} -> {getattr(info, 'commit_url', repo)}")
+    except Exception as err:   # offline, no token, no permission: the export stays on disk
+        print0(f"[hub] upload to {repo} failed ({type(err).__name__}: "
+               f"{str(err).splitlines()[0] if str(err) else ''}); the export is in {export_dir}; retry with "
+               f"`huggingface-cli upload {repo} {export_dir}`")
 
 
 def model_card(recipe: dict, final: dict, backend: dict, tokens_seen: int) -> str:

@@ -1,16 +1,18 @@
-"""The engine interface: everything train.py (and results.py, checkpoint.py) asks of an engine, in
-one place. Two engines satisfy it: `engine.AccelerateEngine` (DDP, ZeRO-1/2/3 with offload, FSDP2)
-and `pipeline.PipelineEngine` (DeepSpeed's pipeline). train.py's loop names no backend.
+"""The engine contracts: everything train.py (and results.py, checkpoint.py, export.py) asks of an engine, in one
+place. Two engines satisfy `Engine`: `engine.AccelerateEngine` (DDP, ZeRO-1/2/3 with offload, FSDP2) and
+`backends.pipeline.PipelineEngine` (DeepSpeed's pipeline). train.py's loop names no backend.
 
 Call order: build (starts the process group) -> wrap -> prepare -> describe -> [load] ->
 batches / train.train_step ... -> evaluate / save / export -> final -> finish.
 
-The step is train.py's (train_step), not an engine's: it reads the Accelerate engine's `accelerator`, `model`,
-`optimizer` and `scheduler`, and the pipeline engine's DeepSpeed `engine`, in its two branches. Output and
-collectives are plain functions (bert_recipes/ranks.py), the trackers train.py's (logs.Trackers).
+The step is train.py's (train_step), not an engine's. Its two branches read two engines, each through its own
+contract: `AccelerateStep` (the Accelerate engine's accelerator, model, optimizer and scheduler) and
+`PipelineStep` (the pipeline engine's DeepSpeed engine, which runs the step's micro batches, clips, steps and
+schedules). Output and collectives are plain functions (bert_recipes/ranks.py), the trackers train.py's
+(logs.Trackers).
 
-Attributes marked "after prepare" exist only once `prepare` has run; tests/test_interface.py checks the
-whole list on both engines, and after prepare on a real run.
+Attributes marked "after prepare" exist only once `prepare` has run; tests/test_interface.py checks each engine
+against its contracts, from its code and after prepare on a real run, and that train_step reads nothing else.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ class Engine(Protocol):
     is_local_main: bool         # local rank 0 (one per node)
     fixed_length: int | None    # every batch padded to this length (the pipeline's buffers), or None
     setup_line: str             # one line: what runs, the batch arithmetic
-    control: Any                # a gloo group for host-side agreement (guard.control_group)
+    control: Any                # a gloo group for host-side agreement (ranks.control_group)
     prep_barrier: Any           # callable: waits for rank 0's data preparation, with its own timeout
     # ------------------------------------------------------------ after prepare
     counts_data: bool           # this rank reads batches (the pipeline's middle stages do not)
@@ -82,3 +84,24 @@ class Engine(Protocol):
 
     def final(self) -> dict:
         """End-of-run facts: peak memory per rank (collective)."""
+
+
+@runtime_checkable
+class AccelerateStep(Protocol):
+    """What train_step's Accelerate branch reads (DDP, ZeRO-1/2/3 with offload, FSDP2): the engine's Accelerate
+    objects, after prepare. Under ZeRO, DeepSpeed clips and steps inside accelerator.backward; the branch then only
+    reads what its step decided (backends/deepspeed.py: deepspeed_norm_and_skip) and advances the schedule."""
+    plan: Any                   # plan.deepspeed: whose step it is (DeepSpeed's, or the optimizer's here)
+    accum: int                  # micro batches per optimizer step on this rank
+    accelerator: Any            # accumulate, backward, clip_grad_norm_, scaler, sync_gradients
+    model: torch.nn.Module      # the prepared model (DeepSpeed's engine under ZeRO)
+    optimizer: Any              # the prepared optimizer: step, zero_grad (and its found_inf: optim.skip_update_if)
+    scheduler: Any              # stepped once per optimizer step
+
+
+@runtime_checkable
+class PipelineStep(Protocol):
+    """What train_step's pipeline branch reads: DeepSpeed's pipeline engine, after prepare, which runs the step's
+    micro batches through its stages, clips, steps and schedules (backends/pipeline.py: train_batch)."""
+    plan: Any                   # plan.pipeline: this branch
+    engine: Any                 # deepspeed's PipelineEngine: train_batch, get_global_grad_norm, was_step_applied

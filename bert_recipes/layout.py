@@ -1,32 +1,12 @@
 """A run's layout over processes (backend, world, replicas, accumulation, micro batch), saved with each checkpoint,
 and what a resume in another layout means: the state re-cut (one [resume] line), or refused in one line where it
-cannot be re-cut (the pipeline's stages, the backend and the process count at once, NVMe-offloaded states).
-pick_checkpoint: the checkpoint a run resumes from, with its layout, as train.py's main asks."""
+cannot be re-cut (the pipeline's stages, the backend and the process count at once, NVMe-offloaded states)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import check_shared_output_dir, read_train_state, resolve_resume
+from .checkpoint import read_train_state
 from .config import ConfigError
-from .rank0 import on_rank0
-from .ranks import broadcast, print0
-
-
-def pick_checkpoint(resume: str | None, plan, micro_batch_size: int, engine, output_dir: Path, notes: list[str]):
-    """The checkpoint checkpoint.resume names (None: a new run), picked by rank 0 and told to the others (ranks
-    may see the disk at different times), and this run's layout, saved with each checkpoint: another process
-    count re-cuts the saved state (a line) or is refused (one line). -> (checkpoint or None, layout)."""
-    check_shared_output_dir(output_dir, engine)
-    checkpoint, resume_notes = on_rank0(engine.is_main, broadcast,
-                                        lambda: resolve_resume(resume, output_dir))
-    for note in notes + resume_notes:
-        print0(note)
-    layout = run_layout(plan, micro_batch_size)
-    if checkpoint is not None:
-        changed = resume_layout(saved_layout(checkpoint), layout, checkpoint)
-        if changed:
-            print0(changed)
-    return checkpoint, layout
 
 
 def run_layout(plan, micro_batch_size: int) -> dict:

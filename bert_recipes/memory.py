@@ -21,37 +21,49 @@ No torch at import time (make memory plans in a fraction of a second).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from .activations import Shape, Workload, activation_bytes, workload_of
-from .backends.plan import backend_rows
 
 GiB = 1024 ** 3
 
 
-def planned_as(name: str) -> str | None:
-    """The planner's row for a backend named in LaunchPlan.name's vocabulary (ddp | fsdp | pipeline |
-    zero<stage> with -offload or -nvme): NVMe offload leaves the device as CPU offload does; None for what the
-    planner does not model (ZeRO-0, ZeRO-1 with offload, a name outside the vocabulary)."""
-    if name in ("ddp", "fsdp", "pipeline"):   # LaunchPlan.kind's engine families that are one row each
-        return name
-    zero = re.fullmatch(r"zero([123])(-offload|-nvme)?", name)
-    if zero is None or (zero[1] == "1" and zero[2]):
+@dataclass(frozen=True)
+class States:
+    """How a backend holds the model states, the planner's one input from the launch files: the engine kind
+    (ddp | fsdp | deepspeed | pipeline: LaunchPlan.kind), the ZeRO stage and where ZeRO offloads them (none | cpu
+    | nvme: either way the device holds none of them). A launch config is planned by what it asks for, never by
+    its row's name; `name` is the kind's (LaunchPlan.name's vocabulary), for the planner's lines."""
+    kind: str
+    zero_stage: int = 0
+    offload: str = "none"
+
+    @property
+    def offloaded(self) -> bool:
+        return self.offload != "none"
+
+    @property
+    def name(self) -> str:
+        if self.kind != "deepspeed":
+            return self.kind
+        return f"zero{self.zero_stage}" + {"none": "", "cpu": "-offload", "nvme": "-nvme"}[self.offload]
+
+
+def states_of(plan) -> States | None:
+    """The States of a bert_recipes.backends.plan.LaunchPlan; None for what the planner does not model (ZeRO-0,
+    ZeRO-1 with offload)."""
+    deepspeed = plan.kind == "deepspeed"
+    states = States(plan.kind, plan.zero_stage if plan.kind in ("deepspeed", "pipeline") else 0,
+                    plan.offload if deepspeed else "none")
+    if deepspeed and (states.zero_stage == 0 or (states.zero_stage == 1 and states.offloaded)):
         return None
-    return name.replace("-nvme", "-offload")
-
-
-# The planner's rows: the rows of accelerate_configs/backends.tsv (the one list of backends), in its order,
-# that are a row of their own here. A multi-node row (multinode, multinode-zero3) is planned per device as
-# its one-node twin and the NVMe row as its CPU-offload twin (planner_row), so neither adds a row.
-BACKENDS = tuple(name for name in backend_rows() if planned_as(name) == name)
+    return states
 
 
 @dataclass
 class Plan:
     """Per-device bytes of one backend."""
-    backend: str
+    backend: str          # the kind's name (States.name)
     parameters: int
     gradients: int
     optimizer: int
@@ -95,16 +107,9 @@ def pipeline_stages(launch: Launch) -> int:
     return max(1, min(launch.stages, launch.world))
 
 
-def replicas(backend: str, launch: Launch) -> int:
+def replicas(states: States, launch: Launch) -> int:
     """Data-parallel ranks: all devices, or devices / stages under the pipeline."""
-    return max(1, launch.world // pipeline_stages(launch)) if backend == "pipeline" else launch.world
-
-
-def planner_row(plan) -> str | None:
-    """The BACKENDS row of a bert_recipes.backends.plan.LaunchPlan (planned_as its name); None for a backend
-    the planner does not model (ZeRO-0, ZeRO-1 with offload)."""
-    name = planned_as(plan.name)
-    return name if name in BACKENDS else None
+    return max(1, launch.world // pipeline_stages(launch)) if states.kind == "pipeline" else launch.world
 
 
 def _numeric(value):
@@ -122,23 +127,21 @@ def launch_of(plan, world: int, precision: str, device: str, micro_batches: int 
                   prefetch_bucket=_numeric(zero.get("stage3_prefetch_bucket_size")))
 
 
-def step_precision(backend: str, mixed_precision: str) -> str:
+def step_precision(states: States, mixed_precision: str) -> str:
     """How a mixed-precision step computes: DDP keeps fp32 weights under 'autocast'; DeepSpeed
     runs a 16-bit model, and Accelerate's FSDP2 gathers 16-bit weights (MixedPrecisionPolicy), so
     both compute as a 'half' model (measured: the same saved tensors)."""
     if mixed_precision not in ("bf16", "fp16"):
         return "fp32"
-    return "autocast" if backend == "ddp" else "half"
+    return "autocast" if states.kind == "ddp" else "half"
 
 
-def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
+def plan_backend(states: States, shape: Shape, work: Workload, launch: Launch,
                  checkpointing: bool = False) -> Plan:
-    """Per-device memory of one training step of `backend` (one of BACKENDS)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend '{backend}' (one of {', '.join(BACKENDS)})")
+    """Per-device memory of one training step of a backend that holds its states as `states` says."""
     P, n, h = shape.params, launch.world, shape.hidden
     mixed = launch.mixed_precision in ("bf16", "fp16")
-    precision = step_precision(backend, launch.mixed_precision)
+    precision = step_precision(states, launch.mixed_precision)
     k = 2 if precision == "half" else 4               # bytes per parameter and gradient element
     act = activation_bytes(shape, work, precision, launch.device, checkpointing)
     activations = act["total"] + act["recompute"]
@@ -147,38 +150,37 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
     logits_grad = rows * shape.vocab * (4 + (2 if mixed else 4))
     autocast_copies = shape.autocast_cast_params * 2 if precision == "autocast" else 0
     reduce_bucket = launch.reduce_bucket or h * h
-    notes = []
+    notes, name, offload, stage = [], states.name, states.offloaded, states.zero_stage
 
-    if backend == "ddp":
+    if states.kind == "ddp":
         # DDP's buckets hold a second copy of every gradient (gradient_as_bucket_view=False);
         # a single process runs without DDP.
         buckets = 4 * P if n > 1 else 0
-        return Plan(backend, 4 * P, 4 * P, 8 * P, activations, buckets + autocast_copies + logits_grad,
+        return Plan(name, 4 * P, 4 * P, 8 * P, activations, buckets + autocast_copies + logits_grad,
                     ["buckets: a second fp32 copy of the gradients"] if n > 1 else [])
-    if backend in ("zero1", "zero2", "zero2-offload"):
+    if states.kind == "deepspeed" and stage in (1, 2):
         shard = math.ceil(P / n)
         # ZeRO-1/2 clone an fp32 master partition even of an fp32 model (stage_1_and_2.py).
-        optimizer = 0 if backend.endswith("offload") else shard * (4 + 8)
+        optimizer = 0 if offload else shard * (4 + 8)
         # The rank's gradient partition (on CPU when offloaded). ZeRO-2's buffer holds every
         # parameter that overlaps the partition in full, so a boundary inside the word embeddings
         # costs a rank up to a whole embedding matrix. ZeRO-1 holds the full gradients during
         # backward until it reduces them at the end.
-        if backend == "zero1":
+        if stage == 1:
             gradients = k * shard
         else:
-            gradients = 0 if backend.endswith("offload") else k * zero2_grad_partition(shape.optimizer_groups(), n)
+            gradients = 0 if offload else k * zero2_grad_partition(shape.optimizer_groups(), n)
         # overlap_comm: two reduce buckets; the step casts the gradient shard to fp32.
         temporary = 2 * reduce_bucket * k + logits_grad + (4 * shard if k == 2 else 0)
-        if backend == "zero1":
+        if stage == 1:
             temporary += k * P
-        host = shard * 16 if backend.endswith("offload") else 0
+        host = shard * 16 if offload else 0
         if host:
-            notes.append(f"host RAM: {fmt(host)} fp32 gradient partition, master and moments per rank")
-        return Plan(backend, k * P, gradients, optimizer, activations, temporary, notes, host)
-    if backend in ("zero3", "zero3-offload"):
+            notes.append(f"{where_offloaded(states)}: {fmt(host)} fp32 gradient partition, master and moments per rank")
+        return Plan(name, k * P, gradients, optimizer, activations, temporary, notes, host)
+    if states.kind == "deepspeed":   # ZeRO-3
         small = shape.small_params
         shard = math.ceil(P / n)
-        offload = backend.endswith("offload")
         parameters = 0 if offload else k * (shard + small)   # small params also stay whole (persistence)
         # An fp32 master partition always: DeepSpeed 0.19's "share it when already fp32" test
         # compares a torch.device with a str and never holds.
@@ -189,25 +191,25 @@ def plan_backend(backend: str, shape: Shape, work: Workload, launch: Launch,
         temporary = gathered + 2 * reduce_bucket * k + logits_grad
         host = shard * (k + 16) if offload else 0
         if host:
-            notes.append(f"host RAM: {fmt(host)} params, fp32 gradients, master and moments per rank")
-        return Plan(backend, parameters, gradients, optimizer, activations, temporary, notes, host)
-    if backend == "fsdp":
+            notes.append(f"{where_offloaded(states)}: {fmt(host)} params, fp32 gradients, master and moments per rank")
+        return Plan(name, parameters, gradients, optimizer, activations, temporary, notes, host)
+    if states.kind == "fsdp":
         # fp32 shards of weights, gradients and moments; unsharded while they run: the layer running
         # and the prefetched one (in the compute dtype), and one layer's gradients before the
         # reduce-scatter.
         shard = math.ceil(P / n)
         temporary = 2 * shape.layer_params * k + shape.layer_params * 4 + logits_grad
-        return Plan(backend, 4 * shard, 4 * shard, 8 * shard, activations, temporary)
-    return _plan_pipeline(backend, shape, work, launch, act, precision, k, logits_grad)
+        return Plan(name, 4 * shard, 4 * shard, 8 * shard, activations, temporary)
+    return _plan_pipeline(states, shape, work, launch, act, precision, k, logits_grad)
 
 
-def _plan_pipeline(backend: str, shape: Shape, work: Workload, launch: Launch, act: dict, precision: str, k: int,
+def _plan_pipeline(states: States, shape: Shape, work: Workload, launch: Launch, act: dict, precision: str, k: int,
                    logits_grad: int) -> Plan:
     """plan_backend's pipeline row: stages x data-parallel replicas. The first stage holds the
     embeddings and, in 1F1B, up to `stages` micro batches in flight; the last holds the head, the tied
     copy of the word embeddings (the MLM decoder) and one micro batch. The larger of the two decides."""
-    P, h = shape.params, shape.hidden
-    stages, dp = pipeline_stages(launch), replicas(backend, launch)
+    P, h, backend = shape.params, shape.hidden, states.name
+    stages, dp = pipeline_stages(launch), replicas(states, launch)
     per_stage = math.ceil(shape.layers / stages)
     head = P - shape.embedding_params - shape.layers * shape.layer_params
     first = shape.embedding_params + per_stage * shape.layer_params
@@ -230,6 +232,11 @@ def _plan_pipeline(backend: str, shape: Shape, work: Workload, launch: Launch, a
     # accumulation, fp32 master and moments partitioned over the replicas).
     optimizer = 8 * stage_params if precision == "fp32" else shard * 12
     return Plan(backend, k * stage_params, 4 * stage_params, optimizer, activations, boundary + logits_grad, notes)
+
+
+def where_offloaded(states: States) -> str:
+    """Where the offloaded states live, as the planner's note says it (Plan.host counts their bytes)."""
+    return "host RAM" if states.offload == "cpu" else "NVMe (host RAM holds DeepSpeed's swap buffers)"
 
 
 def zero2_grad_partition(groups: list[list[int]], world: int) -> int:
@@ -256,11 +263,11 @@ def predict_run(cfg, model_config, plan, world: int, device: str, accum: int = 1
                 masked_tokens: int | None = None) -> Plan | None:
     """The plan of a running train.py: its recipe and model under the LaunchPlan it runs; None for
     a backend the planner does not model."""
-    row = planner_row(plan)
-    if row is None:
+    states = states_of(plan)
+    if states is None:
         return None
     launch = launch_of(plan, world, cfg.train.mixed_precision, device, accum)
-    return plan_backend(row, Shape.from_config(model_config, cfg.task.kind),
+    return plan_backend(states, Shape.from_config(model_config, cfg.task.kind),
                         workload_of(cfg, model_config, masked_tokens=masked_tokens), launch,
                         cfg.model.gradient_checkpointing)
 

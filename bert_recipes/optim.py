@@ -119,6 +119,12 @@ class Lamb(torch.optim.Optimizer):
         return state
 
 
+def total_norm(norm):
+    """clip_grad_norm_'s total norm as a plain tensor, whatever the backend: FSDP2 returns a DTensor, whose
+    full_tensor() is the global norm (the same on every rank); DDP's and the rest are plain already."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def skip_update_if(optimizer, scaler, skipped) -> bool:
     """Make this step's update a no-op where `skipped` (a bool tensor on the device) is true, without
     the host reading it. -> whether to call optimizer.step() at all.

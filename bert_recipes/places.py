@@ -1,10 +1,13 @@
-"""Names the operating system refuses, and the places a run creates.
+"""The places a run creates: whether it can (a name the OS refuses, a directory that cannot be written), and one
+line when creating one fails anyway.
 
 A path component longer than its filesystem allows (os.pathconf PC_NAME_MAX, 255 bytes on ext4, xfs and
 tmpfs) or a whole path over PC_PATH_MAX (4096 bytes on Linux) is refused by the kernel only when something is
 created there (`OSError: [Errno 36] File name too long`), after the run has made the directories above it.
-preflight checks every path key for both before anything is created, and `make_place` turns any OSError from
-creating one of the run's places into one `config error:` line naming the key and the path.
+preflight checks every path key for both before anything is created, and whether the nearest existing directory
+above each place can be written (check_writable_dir: not a file, not a read-only mount or a pseudo-filesystem);
+`make_place` turns any OSError from creating one of the run's places into one `config error:` line naming the key
+and the path.
 """
 from __future__ import annotations
 
@@ -13,10 +16,10 @@ import errno
 import os
 from pathlib import Path
 
-from .config import ConfigError
+from .config import ConfigError, nearest_existing, path_kind
 
 DEFAULT_NAME_MAX, DEFAULT_PATH_MAX = 255, 4096   # Linux's, where pathconf cannot tell
-_FULL = {errno.ENOSPC, errno.EDQUOT}             # a full disk is guard.disk_full's line, with the sizes
+_FULL = {errno.ENOSPC, errno.EDQUOT}             # a full disk is disk.disk_full's line, with the sizes
 
 
 def _deepest_existing(path: Path) -> Path:
@@ -73,7 +76,7 @@ def check_path_names(paths: list[tuple[str, object]]) -> None:
 @contextlib.contextmanager
 def creating(key: str, path: str | Path):
     """Around the code that creates one of the run's places: an OSError (other than a full disk, which is
-    guard.disk_full's line) becomes one config error line naming the key and the path."""
+    disk.disk_full's line) becomes one config error line naming the key and the path."""
     try:
         yield
     except OSError as err:
@@ -88,3 +91,66 @@ def make_place(key: str, path: str | Path) -> Path:
     with creating(key, path):
         Path(path).mkdir(parents=True, exist_ok=True)
     return Path(path)
+
+
+# ---------------------------------------------------------------------------- directories a run can write
+def check_writable_dir(path: Path, key: str) -> None:
+    """`path` is a directory, or can be made one: its nearest existing ancestor is a writable directory."""
+    path = Path(path)
+    if path_kind(path, key) == "file":
+        raise ConfigError(f"{key}={path} is a file, not a directory: give a directory path (it is created if missing)")
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={path}: {existing} is a file, so the directory cannot be created there; "
+                          "give another path")
+    problem = cannot_create_in(existing)
+    if problem:
+        raise ConfigError(f"{key}={path}: nothing can be created in {existing} ({problem}); give a writable path")
+
+
+def unwritable_default(path: Path) -> str | None:
+    """Why a directory the user never named (a library's default cache) cannot be written: None when it can."""
+    try:
+        check_writable_dir(path, "")
+    except ConfigError as err:
+        return str(err).lstrip("=")
+    return None
+
+
+def cannot_create_in(directory: Path) -> str | None:
+    """Why no file can be created in `directory`, or None when one can: a probe file is created and removed
+    (the only thing a check writes), and the directory's times are set back, so the check leaves no trace.
+    os.access cannot tell: root passes it everywhere, yet a read-only mount or a pseudo-filesystem (/proc,
+    /sys) refuses the write itself."""
+    import tempfile
+    try:
+        before = os.stat(directory)
+        fd, probe = tempfile.mkstemp(prefix=".bert-recipes-probe-", dir=directory)
+    except OSError as err:
+        fs_type, options = filesystem_of(directory)
+        why = ("it is mounted read-only" if "ro" in options else f"it is on a {fs_type} filesystem"
+               if fs_type in PSEUDO_FILESYSTEMS else "this user may not write there")
+        return f"{why}: {err.strerror or type(err).__name__}"
+    os.close(fd)
+    os.unlink(probe)
+    try:
+        os.utime(directory, ns=(before.st_atime_ns, before.st_mtime_ns))
+    except OSError:
+        pass   # a directory this user may write in but not touch: the probe is gone all the same
+    return None
+
+
+PSEUDO_FILESYSTEMS = {"proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "securityfs", "tracefs", "configfs"}
+
+
+def filesystem_of(path: Path) -> tuple[str, set[str]]:
+    """(type, mount options) of the filesystem holding `path`, from /proc/self/mounts (the longest mount point
+    above it); ("unknown", set()) where that cannot be read."""
+    try:
+        mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown", set()
+    target = Path(path).resolve()
+    best = max((m for m in mounts if len(m) >= 4 and (target == Path(m[1]) or Path(m[1]) in target.parents)),
+               key=lambda m: len(m[1]), default=None)
+    return (best[2], set(best[3].split(","))) if best else ("unknown", set())

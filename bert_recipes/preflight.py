@@ -19,12 +19,12 @@ from pathlib import Path
 
 from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
-from .checkpoint import (check_checkpoint_fits, check_output_dir, check_resume_path, check_writable_dir,
-                         resumed_checkpoint, unwritable_default)
+from .checkpoint import check_checkpoint_fits, check_resume_path, resumed_checkpoint
 from .config import (PATH_KEYS, Config, ConfigError, padded_batches, parse_train_args, path_kind, resolve, to_yaml,
                      validate)
 from .corpora import FILE_KEYS, resolve_into
-from .places import check_path_names
+from .places import check_path_names, check_writable_dir, unwritable_default
+from .run_dir import check_output_dir
 from .sources import check_prepared_dir
 
 
@@ -200,7 +200,7 @@ def resumed_setting(cfg: Config, section: str, key: str):
 def same_on_every_rank(value: int, group, key: str) -> None:
     """A setting each rank decided alone (train.micro_batch_size=auto, from its own GPU's memory) must
     agree: the smallest is the one to set when it does not."""
-    from .guard import spread
+    from .ranks import spread
     low, high = spread(value, group)
     if low != high:
         raise ConfigError(f"{key}=auto: the ranks' GPUs allow different values ({int(low)} to {int(high)}); set "

@@ -1,6 +1,6 @@
 """What a finished run delivers besides its last state: the best evaluation kept apart, evaluations of
-further splits, test-set predictions in a submission format, the export (agreed on by every rank) and its
-upload to the Hub.
+further splits and test-set predictions in a submission format (the export and its upload to the Hub:
+bert_recipes/export.py).
 Each takes the engine (bert_recipes/engine.py), so it works on every backend."""
 from __future__ import annotations
 
@@ -80,34 +80,3 @@ def write_predictions(task: TaskConfig, engine, data, test_index: dict, output_d
         written.append(path)
     barrier()
     return written
-
-
-def export_agreed(engine, out: Path, tokenizer, config_yaml: str, card: str, step: int, export_bytes: int) -> Path:
-    """engine.export, agreed on by every rank (guard.written_by_all): a full disk on rank 0 is one line,
-    <output_dir>/model.partial is removed and the checkpoints stay, every rank exits with code 5."""
-    import shutil
-
-    from .export import partial_export
-    from .guard import disk_full, written_by_all
-    needed = (export_bytes, "an estimate: 4 bytes per parameter, the fp32 weights")
-    then = "the partial export was removed and the checkpoints stay: free space there, then rerun with --resume auto"
-    written_by_all(lambda: engine.export(out, tokenizer, config_yaml, card), engine.control, engine.is_main,
-                   lambda: shutil.rmtree(partial_export(out), ignore_errors=True),
-                   lambda err: disk_full(err, partial_export(out), "the export", step, needed, then))
-    return out
-
-
-def push_to_hub(ckpt: CheckpointConfig, run_name: str, export_dir: Path) -> None:
-    """Upload the export (weights, tokenizer, recipe, model card) to checkpoint.hub_model_id. A failed
-    upload does not undo the run: it says so and how to retry."""
-    repo = ckpt.hub_model_id
-    try:
-        from huggingface_hub import HfApi
-        api = HfApi()
-        api.create_repo(repo, exist_ok=True)
-        info = api.upload_folder(folder_path=str(export_dir), repo_id=repo, commit_message=f"bert-recipes: {run_name}")
-        print0(f"[hub] uploaded {export_dir} -> {getattr(info, 'commit_url', repo)}")
-    except Exception as err:   # offline, no token, no permission: the export stays on disk
-        print0(f"[hub] upload to {repo} failed ({type(err).__name__}: "
-               f"{str(err).splitlines()[0] if str(err) else ''}); the export is in {export_dir}; retry with "
-               f"`huggingface-cli upload {repo} {export_dir}`")

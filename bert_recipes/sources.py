@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig, first_line, path_kind
 from .corpora import check_kinds, corrupt_file, resolve_data_files
-from .rank0 import on_rank0
+from .ranks import on_rank0
 from .tokenizing import TOKENIZE_VERSION
 
 
@@ -157,7 +157,7 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
     def rank0_files():
         source = save_dir if (save_dir / "tokenizer.json").exists() else _trained_tokenizer_dir(train_raw, data, tok_cfg)
         if not (source / "tokenizer.json").exists():
-            from .guard import full_disk_is_one_line
+            from .disk import full_disk_is_one_line
             tokenizer = train_wordpiece(texts(train_raw, data), tok_cfg.vocab_size, tok_cfg.lowercase)
             tmp = source.with_name(source.name + f".tmp{os.getpid()}")
             needed = (len(tokenizer.backend_tokenizer.to_str()) * 2, "an estimate: twice its tokenizer.json")

@@ -87,7 +87,7 @@ def confirm_micro_batch(cfg: Config, plan, engine) -> None:
     rank. Before the model the run trains is built or wrapped."""
     from .backends.consistency import resolve_run
     from .config import ConfigError
-    from .guard import all_max
+    from .ranks import all_max
     from .preflight import same_on_every_rank
     t = cfg.train
     if not (plan.on_gpu and plan.kind == "ddp" and not plan.fsdp):   # sharded, or CPU: not tried (docstring)

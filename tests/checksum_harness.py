@@ -9,6 +9,7 @@ the script unchanged. It lives in tests/, never in the package.
 
     accelerate launch --config_file ... tests/checksum_harness.py --recipe ...
 """
+import contextlib
 import os
 import runpy
 import sys
@@ -19,8 +20,21 @@ import torch
 repo = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(repo))
 
-from bert_recipes.backends.accelerator import full_weights  # noqa: E402
 from bert_recipes.engine import AccelerateEngine  # noqa: E402
+
+
+@contextlib.contextmanager
+def full_weights(accelerator, model):
+    """{name: full tensor} as this rank sees the model, gathered where the backend shards them (ZeRO-3:
+    DeepSpeed's GatheredParameters; FSDP2: DTensor.full_tensor). Collective under sharded backends."""
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if hasattr(model, "zero_optimization_stage") and model.zero_optimization_stage() == 3:
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+            yield {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}
+    else:
+        yield {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+               for k, v in unwrapped.state_dict().items()}
 
 
 def rank_checksums(accelerator, model) -> list[list[float]]:

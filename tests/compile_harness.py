@@ -37,7 +37,7 @@ torch._logging.set_logs(recompiles=True)
 logging.getLogger("torch._dynamo").addHandler(_Recompiles())
 
 import train  # noqa: E402
-from bert_recipes.guard import leave  # noqa: E402
+from bert_recipes.exits import leave  # noqa: E402
 
 steps = {"n": 0}
 _step = train.train_step

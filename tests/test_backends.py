@@ -26,18 +26,21 @@ WEIGHT_TOL = 1e-5
 # The distributed type a run reports, by its row's engine family (LaunchPlan.kind, read from the row's configs).
 ENGAGED_BY_KIND = {"ddp": "DistributedType.MULTI_CPU", "fsdp": "DistributedType.FSDP",
                    "deepspeed": "DistributedType.DEEPSPEED", "pipeline": "DEEPSPEED_PIPELINE"}
-# The rows' cases, read from the table (accelerate_configs/backends.tsv), so a new row joins them. A one-node
-# row's name is its configs' backend name (LaunchPlan.name: ddp | fsdp | pipeline | zero<stage>[-offload | -nvme];
-# tests/test_consistency.py pins each), which says its ZeRO stage and offload before any config is read.
-ZERO_ROWS = [name for name in ROWS if re.fullmatch(r"zero[123](-offload)?", name)]   # one node, no NVMe
-SHARDED_STATE_ROWS = ZERO_ROWS + [name for name in ROWS if name == "fsdp"]   # optimizer states split over ranks
-NOT_AUDITED = {"zero3-nvme": "test_zero3_nvme_row runs it (libaio, an NVMe path)",
-               "multinode-zero3": "a ZeRO-3 launch on two nodes: zero3 is audited on one"}
+# The rows' cases, read from the table (accelerate_configs/backends.tsv) and from each row's launch files (its
+# LaunchPlan: kind, ZeRO stage, offload), never from its name: a new row joins them with no code.
+PLANS = {name: row.plan for name, row in ROWS.items()}
+ONE_NODE = [name for name, row in ROWS.items() if row.nodes == 1]
+ZERO_ROWS = [name for name in ONE_NODE if PLANS[name].kind == "deepspeed" and PLANS[name].offload != "nvme"]
+SHARDED_STATE_ROWS = ZERO_ROWS + [name for name in ONE_NODE if PLANS[name].kind == "fsdp"]   # optimizer states split
+NOT_AUDITED = {**{name: "test_zero3_nvme_row runs it (libaio, an NVMe path)" for name in ROWS
+                  if PLANS[name].offload == "nvme"},
+               **{name: "a ZeRO launch on two nodes: its one-node twin is audited" for name in ROWS
+                  if ROWS[name].nodes > 1 and PLANS[name].kind == "deepspeed"}}
 AUDITED_ROWS = [name for name in ROWS if name not in NOT_AUDITED]
 
 
 def engaged(name: str) -> str:
-    return ENGAGED_BY_KIND[ROWS[name].plan.kind]
+    return ENGAGED_BY_KIND[PLANS[name].kind]
 
 
 def common(shared_tokenizer, **extra):
@@ -134,11 +137,12 @@ def test_deepspeed_rows(name, row_run, ddp_reference):
     backend vocabulary (bert_recipes.backends.plan.LaunchPlan; tests/test_consistency.py pins it)."""
     out, metrics = row_run(name)
     assert_healthy(metrics, "DistributedType.DEEPSPEED")
-    backend, plan = metrics["final"]["backend"], ROWS[name].plan
-    assert backend["name"] == plan.name == name, backend
-    assert backend["zero_stage"] == plan.zero_stage and backend["params_sharded"] is plan.shards_params, backend
+    backend, plan = metrics["final"]["backend"], PLANS[name]
+    shards_params = plan.zero_stage == 3   # ZeRO-3 partitions the parameters; ZeRO-1/2 the optimizer states
+    assert backend["name"] == plan.name, backend   # the kind's name (the row's label is the Make target's)
+    assert backend["zero_stage"] == plan.zero_stage and backend["params_sharded"] is shards_params, backend
     assert backend["offload_optimizer"] is (plan.offload != "none"), backend
-    if plan.shards_params:   # each rank holds about half of the parameter elements
+    if shards_params:   # each rank holds about half of the parameter elements
         assert backend["local_param_numel"] <= 0.6 * backend["full_param_numel"], backend
     assert_matches_ddp(out, ddp_reference[0])
 
@@ -242,7 +246,7 @@ def test_no_host_waits_between_log_steps(name, row_run):
     per_window = [row["host_syncs"] for row in metrics["history"]["train"]]
     print(f"[host waits] {name}: {per_window} per {metrics['config']['logging/log_every']} steps; {sites}")
     assert len(per_window) == STEPS // 4 and all(count >= 0 for count in per_window)
-    if ROWS[name].plan.kind in ("ddp", "fsdp"):
+    if PLANS[name].kind in ("ddp", "fsdp"):
         assert sites == {} and set(per_window) == {0}, sites
     else:
         assert sites and all(allowed_deepspeed_sync(site) for site in sites), sites
@@ -493,11 +497,11 @@ def test_sharded_states_resume_on_another_number_of_processes(name, row_run, tmp
     # the run's record and schedule carry over: the rows logged before the checkpoint, the same learning rates
     rows = lambda m: [(r["step"], r["lr"]) for r in m["history"]["train"]]  # noqa: E731
     assert rows(resumed) == rows(metrics) and resumed["history"]["train"][:2] == metrics["history"]["train"][:2]
-    assert resumed["final"]["backend"]["name"] == name
+    assert resumed["final"]["backend"]["name"] == PLANS[name].name
     assert resumed["final"]["backend"]["distributed_type"] == engaged(name)
     log = (tmp_path / "one.log").read_text()
     assert "[resume] the world size changed, 2 -> 1 processes" in log, log[-3000:]
-    if name.startswith("zero"):
+    if PLANS[name].kind == "deepspeed":
         assert "universal checkpoint" in log
         assert (full / "checkpoints/step_00000008/universal/pytorch_model/zero").is_dir()
     assert_same_weights(full / "model/model.safetensors", out / "model/model.safetensors", WEIGHT_TOL)

@@ -15,8 +15,8 @@ from bert_recipes.backends.consistency import check_consistency
 from bert_recipes.backends.plan import LaunchPlan, backend_rows, bf16_supported, decide_on_gpu
 from bert_recipes.config import ConfigError, load_config
 from bert_recipes.optim import skip_update_if
-from bert_recipes.guard import slow_barrier
-from bert_recipes.perf import gpu_peak
+from bert_recipes.ranks import slow_barrier
+from bert_recipes.throughput import gpu_peak
 from conftest import REPO, _port, tiny_args
 
 RECIPE = REPO / "recipes/tiny-mlm.yaml"

@@ -33,7 +33,7 @@ def compiled_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, backend
 def test_compile_runs_under_ddp_no_sync(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """DDP, 2 gloo processes, accumulation 2 (the first micro batch of each step under no_sync): no recompile in
     6 steps and 2 (eager) evaluations, on either rank, with logging.sync_audit's torch-function mode entered
-    around every step (perf._AuditMode: a mode class made anew each step recompiled every step)."""
+    around every step (sync_audit._AuditMode: a mode class made anew each step recompiled every step)."""
     final, reports, _ = compiled_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, "ddp",
                                      **{"logging.sync_audit": True})
     assert final["num_processes"] == 2 and final["backend"]["distributed_type"] == "DistributedType.MULTI_CPU"

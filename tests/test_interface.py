@@ -1,6 +1,7 @@
-"""One engine interface (bert_recipes/interface.py): both engines implement every member train.py
-uses, with the Protocol's parameters; every attribute is set by each engine (read from its code), and the
-Accelerate engine's are there after prepare on a real run; the device is decided once."""
+"""The engine contracts (bert_recipes/interface.py): both engines implement every member train.py uses, with the
+Protocol's parameters; every attribute is set by each engine (read from its code), and the Accelerate engine's are
+there after prepare on a real run; each branch of train.py's step reads only its own engine's contract
+(AccelerateStep, PipelineStep); the device is decided once."""
 from __future__ import annotations
 
 import ast
@@ -12,8 +13,8 @@ import sys
 import pytest
 
 from bert_recipes.engine import AccelerateEngine
-from bert_recipes.interface import Engine
-from bert_recipes.pipeline import PipelineEngine
+from bert_recipes.interface import AccelerateStep, Engine, PipelineStep
+from bert_recipes.backends.pipeline import PipelineEngine
 from conftest import REPO
 
 MEMBERS = tuple(Engine.__annotations__) + tuple(n for n, v in vars(Engine).items()
@@ -65,17 +66,49 @@ def test_the_check_names_a_member_an_engine_lacks():
     assert "accum" in assigned_attributes(Half) and "plan" not in assigned_attributes(Half)
 
 
+@pytest.mark.parametrize("engine,contract", [(AccelerateEngine, AccelerateStep), (PipelineEngine, PipelineStep)])
+def test_each_engine_sets_what_its_branch_of_the_step_reads(engine, contract):
+    assert len(contract.__annotations__) >= 2 and "plan" in contract.__annotations__
+    assert set(contract.__annotations__) - assigned_attributes(engine) == set(), (engine.__name__, contract.__name__)
+
+
+def step_reads(source: str, function: str = "train_step") -> dict[str, set[str]]:
+    """The attributes `function` in `source` reads from each local name: {name: {attribute, ...}}."""
+    tree = next(node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef) and node.name == function)
+    reads: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            reads.setdefault(node.value.id, set()).add(node.attr)
+    return reads
+
+
+def contract_breaches(source: str) -> list[str]:
+    """What train_step reads from the engine outside the contracts: `engine` (run.engine) may give its plan and the
+    PipelineStep's members, `step` (the same engine, as AccelerateStep) AccelerateStep's."""
+    reads = step_reads(source)
+    allowed = {"engine": set(PipelineStep.__annotations__), "step": set(AccelerateStep.__annotations__)}
+    return sorted(f"{name}.{attr}" for name, ok in allowed.items() for attr in reads.get(name, set()) - ok)
+
+
+def test_each_branch_of_the_step_reads_only_its_engines_contract():
+    source = (REPO / "train.py").read_text()
+    reads = step_reads(source)
+    assert {"engine", "step"} <= set(reads) and "accelerator" in reads["step"], reads   # it sees both branches
+    assert contract_breaches(source) == []
+    # the check is not blind: the old step read the Accelerate objects straight off the engine
+    assert contract_breaches(source.replace("step.accelerator", "engine.accelerator")) == ["engine.accelerator"]
+
+
 def test_every_member_is_there_after_prepare_on_a_real_run(monkeypatch, tmp_path, sample_dir, datasets_cache,
                                                            shared_tokenizer):
     """A one-process run: right after prepare the Accelerate engine has every member, and so do the objects train.py's
-    step reads from it (accelerator, model, optimizer, scheduler)."""
+    step reads from it (AccelerateStep's: accelerator, model, optimizer, scheduler)."""
     from conftest import run_in_process, tiny_args
     seen, prepare = [], AccelerateEngine.prepare
 
     def checked(self, *args):
         prepare(self, *args)
-        seen.append(missing_members(self) + [n for n in ("accelerator", "model", "optimizer", "scheduler")
-                                             if not hasattr(self, n)])
+        seen.append(missing_members(self) + [n for n in AccelerateStep.__annotations__ if not hasattr(self, n)])
     monkeypatch.setattr(AccelerateEngine, "prepare", checked)
     run_in_process(tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
         "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 2, "checkpoint.export": False}))

@@ -20,7 +20,7 @@ from bert_recipes.config import ConfigError, ModelConfig, OptimConfig, TaskConfi
 from bert_recipes.activations import Shape, Workload, activation_bytes
 from bert_recipes.modeling import build_model, model_config
 from bert_recipes.optim import build_optimizer
-from conftest import REPO, launch_script
+from conftest import REPO, backend_rows, launch_script
 
 sys.path.insert(0, str(REPO / "tools"))
 from measure import measure_activations  # noqa: E402 (tools/measure.py: a tool's, not a training run's)
@@ -176,15 +176,16 @@ def test_model_states_match_a_real_step(row, tmp_path):
     log = launch_script("tools/memory.py", args, nproc=2, backend=backend, timeout=600)
     result = json.loads(out.read_text())
     print(log[log.find("[memory]"):])
-    assert result["backend"] == backend and result["world"] == 2
+    plan = backend_rows()[backend].plan   # the row's launch files: what the planner reads
+    assert result["backend"] == plan.name and result["world"] == 2
     assert len(result["measured_per_rank"]) == 2
     for rank, measured in enumerate(result["measured_per_rank"]):
         for key in ("parameters", "gradients", "optimizer", "activations"):
             estimate = result["estimate"][key]
             assert abs(measured[key] - estimate) <= TOLERANCE * max(measured[key], 1), (rank, key, measured, estimate)
     # Sharding shows in the numbers: ZeRO-3 and FSDP hold about half the parameter bytes per rank.
-    if backend in ("zero3", "fsdp"):
-        bytes_per_param = 2 if (precision == "bf16" and backend == "zero3") else 4
+    if plan.kind == "fsdp" or plan.zero_stage == 3:
+        bytes_per_param = 2 if (precision == "bf16" and plan.kind == "deepspeed") else 4
         full = result["full_param_numel"] * bytes_per_param
         assert all(m["parameters"] < 0.6 * full for m in result["measured_per_rank"]), (full, result)
 
@@ -234,8 +235,9 @@ def test_planner_table_and_fit_verdict(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     rows = result["backends"]
-    from bert_recipes.memory import BACKENDS   # the rows of accelerate_configs/backends.tsv the planner models
-    assert list(rows) == list(BACKENDS) and {"ddp", "zero1", "zero2", "zero3", "zero3-offload"} <= set(rows)
+    from bert_recipes.backends.plan import backend_rows   # every one-node row, planned from its own files
+    assert list(rows) == [name for name, row in backend_rows().items() if row.nodes == 1]
+    assert {"ddp", "zero1", "zero2", "zero3", "zero3-offload"} <= set(rows)
     # Sharding order: each ZeRO stage needs less per device than the one before.
     peak = {b: rows[b]["peak"] for b in rows}
     assert peak["ddp"] > peak["zero1"] > peak["zero2"] > peak["zero3"] > peak["zero3-offload"]
@@ -250,9 +252,9 @@ def test_planner_table_and_fit_verdict(tmp_path):
 
 def suggestion_fits(args: list[str], change: str) -> str:
     """Apply the verdict's change (an override or a backend switch) and plan again."""
-    if change.startswith("switch to "):
-        name = change.split()[2].replace("-", "_")
-        args = args + ["--config", f"accelerate_configs/{name}.yaml"]
+    if change.startswith("switch to "):   # a row of the table: its launch config
+        from bert_recipes.backends.plan import backend_rows
+        args = args + ["--config", backend_rows()[change.split()[2]].config]
     else:
         args = args + [change.split()[0]]
     again = planner(*args)

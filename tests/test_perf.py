@@ -7,7 +7,7 @@ import time
 import pytest
 from transformers import BertConfig
 
-from bert_recipes.perf import flops_per_token, measured_cpu_peak
+from bert_recipes.throughput import flops_per_token, measured_cpu_peak
 from conftest import run_in_process, tiny_args
 
 
@@ -144,7 +144,7 @@ def test_step_guard_counts_without_a_wait_or_a_write(decided):
     train.max_bad_steps in a row stop the run."""
     import torch
 
-    from bert_recipes.guard import Diverged, StepGuard
+    from bert_recipes.divergence import Diverged, StepGuard
     from bert_recipes.sync_audit import SyncAudit
     guard = StepGuard(max_bad_steps=3)
     outcomes = [(1.5, False), (float("inf"), True), (1.2, False), (1.1, False), (float("nan"), True)]

@@ -296,7 +296,7 @@ def test_a_full_disk_while_saving_a_trained_tokenizer_is_one_line(tmpfs):
     from datasets import Dataset
 
     from bert_recipes.config import DataConfig, TokenizerConfig
-    from bert_recipes.guard import DiskFull
+    from bert_recipes.disk import DiskFull
     from bert_recipes.sources import get_tokenizer
     cache = tmpfs(4 << 10)
     raw = Dataset.from_dict({"text": [f"line {i} of words for a tokenizer to learn" for i in range(200)]})

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bert_recipes.backends.deepspeed import nvme_offloads  # noqa: E402
-from bert_recipes.checkpoint import nearest_existing  # noqa: E402
+from bert_recipes.config import nearest_existing  # noqa: E402
 from bert_recipes.doctor import exit_code, judge, render  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "evaluate", "tokenizers", "deepspeed")

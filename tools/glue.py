@@ -69,8 +69,8 @@ def run_task(task: str, args, overrides: list[str]) -> tuple[bool, Path]:
     else:
         config = args.config or "accelerate_configs/1gpu.yaml"
         if args.cpu:
-            from bert_recipes.backends.plan import backend_rows
-            row = backend_rows()["ddp"]
+            from bert_recipes.backends.plan import backend_rows, first_row
+            row = backend_rows()[first_row("ddp")]   # the table's DDP row: its CPU launch
             env, config = row.cpu_launch_env(env), args.config or row.cpu_config
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(REPO / config)]
         cmd += ["--num_processes", str(args.nproc)] if args.nproc else []

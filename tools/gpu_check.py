@@ -20,7 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bert_recipes.backends.plan import backend_rows  # noqa: E402
+from bert_recipes.backends.plan import backend_rows, chosen_rows  # noqa: E402
+from bert_recipes.config import ConfigError  # noqa: E402
 SIZES = {   # model overrides; the recipe is tiny-mlm (embedded sample) resized
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
@@ -133,7 +134,7 @@ def add_run_arguments(parser, work: str, cpu_help: str) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", help="comma-separated backend names (default: all)")
+    parser.add_argument("--rows", help="comma-separated rows of accelerate_configs/backends.tsv (default: all)")
     add_run_arguments(parser, work="runs/gpu_check", cpu_help="run on 2 CPU processes (GPU-only rows of backends.tsv are skipped)")
     parser.add_argument("--nproc", type=int, help="default: all GPUs (2 with --cpu)")
     parser.add_argument("--out", help="also write the table (markdown) to this file")
@@ -143,21 +144,25 @@ def main():
         sys.exit("no GPU visible: run on a GPU machine, or use --cpu to try the table on CPU processes")
     args.precision = args.precision or ("no" if args.cpu else "bf16")
     nproc = args.nproc or (2 if args.cpu else torch.cuda.device_count())
-    wanted = args.rows.split(",") if args.rows else None
+    try:
+        chosen = chosen_rows(args.rows)   # an unknown name: one line, never skipped in silence
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
     work = REPO / args.work
     work.mkdir(parents=True, exist_ok=True)
     results = []
-    for row in rows():
-        if wanted and row.name not in wanted:
-            continue
+    for row in chosen:
+        plan = row.plan
         if args.cpu and row.gpu_only:   # accelerate_configs/backends.tsv says so
             results.append({"backend": row.name, "status": "skipped: a GPU-only row (backends.tsv)"})
             continue
-        if row.name == "zero3-nvme":
-            results.append({"backend": row.name, "status": "skipped: set nvme_path in ds_configs/zero3_nvme.json"})
+        if plan.offload == "nvme":
+            results.append({"backend": row.name, "status": f"skipped: set nvme_path in {plan.ds_config_path}"})
             continue
-        if row.name == "pipeline" and nproc % 2:
-            results.append({"backend": row.name, "status": "skipped: 2 stages need an even process count"})
+        stages = plan.ds_config.get("pipeline", {}).get("stages", 2) if plan.pipeline else 1
+        if nproc % stages:
+            results.append({"backend": row.name, "status": f"skipped: {stages} stages need a multiple of {stages} processes"})
             continue
         print(f"[gpu-check] {row.name} on {nproc} processes ...", flush=True)
         results.append(run_row(row, args, nproc, work))

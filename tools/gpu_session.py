@@ -258,7 +258,7 @@ SMOKE_WORK_S = 6   # a smoke launch's own work: 2-4 steps, an eval, a 1.3 GB che
 def parts() -> dict[str, list[Step]]:
     """The two parts, in order. The bench steps' limits are their rows' (tools/bench.py gpu_rows) plus the
     matmul probe's launch and the check of the carried data."""
-    from bench import gpu_rows
+    from bench_rows import gpu_rows
     must, rest = gpu_rows("gpu-must", True, {}), gpu_rows("gpu-rest", True, {})
     # +5: reading the carried data; without it (no .gpu_data) preparing it here takes PREP_S more
     bench_work = lambda rows: sum(r["limit_s"] for r in rows) + 5   # noqa: E731
@@ -355,7 +355,8 @@ def render(session: Session) -> str:
 def prepare_carried(size: str = "base") -> Path:
     """BERT-base's workloads, prepared here once (tokenizer and token ids: CPU work), into .gpu_data/ for
     the GPU machine (name it in the run call's carry), so no GPU time goes to tokenizing."""
-    from bench import SIZES, prepare_workloads
+    from bench_rows import SIZES
+    from bench_runs import prepare_workloads
     from bert_recipes.sample import build_sample
     sample = CARRIED / "sample"
     build_sample(sample)

@@ -8,11 +8,13 @@ when any row fails.
     python tools/gpu_smoke.py --cpu --size tiny        # the same logic on 2 CPU processes (no fp16, no FSDP)
 
 Each row runs twice: to the middle (eval and a checkpoint there), then `--resume auto` to the end, with
-the export. A launch costs about 40 s on an H200 (measured 2026-11-30, 5 s of it training), so the
-default matrix is 14 launches, about 10 minutes: DDP in fp32, bf16 and fp16; ZeRO-2, ZeRO-3, ZeRO-2 with
-CPU offload and FSDP2 in bf16. `--matrix full` (26 launches, about 17 minutes) adds what the default drops:
-ZeRO-2 and ZeRO-3 in fp32 and fp16, ZeRO-1 and ZeRO-3 with CPU offload in bf16, and the pipeline in bf16
-when two GPUs are present.
+the export. A launch costs about 40 s on an H200 (measured 2026-11-30, 5 s of it training). The matrices are
+rules over the rows of accelerate_configs/backends.tsv (each row's kind, ZeRO stage and offload, read from its
+launch files), so a new row joins them: `default` runs every one-node row but the NVMe-offload ones (they need an
+nvme_path) and the pipeline (two GPUs), DDP in fp32, bf16 and fp16 and the rest in bf16 (18 launches with the
+shipped rows, about 12 minutes); `full` adds fp32 and fp16 for the ZeRO rows without offload, and the pipeline
+in bf16 when two GPUs are present; `session` (tools/gpu_session.py) runs the DDP and FSDP rows. `--rows` takes
+any row by name; a name that is no row is one line.
 """
 from __future__ import annotations
 
@@ -25,14 +27,36 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import REPO, add_run_arguments, failure, launch_train, report, rows   # noqa: E402  (same launcher)
 
-MATRIX = {"default": [("ddp", "no,bf16,fp16"), ("zero2", "bf16"), ("zero3", "bf16"), ("zero2-offload", "bf16"),
-                      ("fsdp", "bf16")],
-          # tools/gpu_session.py: what changed since the H200 ran the rows (2026-11-30): DDP's device-side skip in
-          # bf16 and, folded into the loss scaler's found_inf, in fp16 (never run on CUDA), and FSDP2's (ZeRO-2's
-          # path has not changed)
-          "session": [("ddp", "bf16,fp16"), ("fsdp", "bf16")],
-          "full": [("ddp", "no,bf16,fp16"), ("zero2", "no,bf16,fp16"), ("zero3", "no,bf16,fp16"), ("zero1", "bf16"),
-                   ("zero2-offload", "bf16"), ("zero3-offload", "bf16"), ("fsdp", "bf16"), ("pipeline", "bf16")]}
+from bert_recipes.backends.plan import chosen_rows   # noqa: E402
+from bert_recipes.config import ConfigError   # noqa: E402
+
+PRECISIONS = {"ddp": "no,bf16,fp16"}   # each kind's default precisions (the autocast path has the most): else bf16
+
+
+def precisions_of(row) -> str:
+    return PRECISIONS.get(row.plan.kind, "bf16")
+
+
+def matrix(name: str) -> list[tuple]:
+    """(row, precisions) of a matrix, in the table's order: rules over the rows' launch files, never their names."""
+    out = []
+    for row in rows():
+        plan = row.plan
+        if row.nodes > 1 or plan.offload == "nvme":
+            continue
+        if name == "session":   # what changed since the H200 ran the rows (2026-11-30): DDP's device-side skip in
+            # bf16 and, folded into the loss scaler's found_inf, in fp16 (never run on CUDA), and FSDP2's
+            if plan.kind in ("ddp", "fsdp"):
+                out.append((row, "bf16,fp16" if plan.kind == "ddp" else "bf16"))
+        elif name == "full":
+            zero_on_device = plan.kind == "deepspeed" and plan.offload == "none" and plan.zero_stage >= 2
+            out.append((row, "no,bf16,fp16" if zero_on_device else precisions_of(row)))
+        elif not plan.pipeline:
+            out.append((row, precisions_of(row)))
+    return out
+
+
+MATRICES = ("default", "full", "session")
 
 
 def smoke(row, precision: str, args, nproc: int, work: Path) -> dict:
@@ -83,9 +107,9 @@ def table(results: list[dict]) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", help="comma-separated backend rows (default: the matrix's)")
-    parser.add_argument("--matrix", choices=sorted(MATRIX), default="default",
-                        help="default: 14 launches; full: 26; session: 6 (tools/gpu_session.py)")
+    parser.add_argument("--rows", help="comma-separated rows of accelerate_configs/backends.tsv (default: the matrix's)")
+    parser.add_argument("--matrix", choices=MATRICES, default="default",
+                        help="default: 18 launches with the shipped rows; full: 28; session: 6 (tools/gpu_session.py)")
     parser.add_argument("--precisions", help="comma-separated, of no,bf16,fp16 (default: per row, as above)")
     add_run_arguments(parser, work="runs/gpu_smoke", cpu_help="2 CPU processes instead of a GPU (fp16 and the GPU-only rows of backends.tsv skipped)")
     parser.add_argument("--out", help="also write the table (markdown) to this file")
@@ -95,24 +119,27 @@ def main():
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("no GPU visible: run on a GPU machine, or use --cpu to try the smoke test on CPU processes")
     gpus = 0 if args.cpu else torch.cuda.device_count()
-    wanted = args.rows.split(",") if args.rows else None
+    try:   # a name that is no row: one line, never skipped in silence
+        chosen = [(row, precisions_of(row)) for row in chosen_rows(args.rows)] if args.rows else matrix(args.matrix)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
     work = REPO / args.work
     work.mkdir(parents=True, exist_ok=True)
-    by_name, results = {r.name: r for r in rows()}, []
-    for name, precisions in MATRIX[args.matrix]:
-        if wanted and name not in wanted:
-            continue
-        row = by_name[name]
+    results = []
+    for row, precisions in chosen:
+        plan = row.plan
+        stages = plan.ds_config.get("pipeline", {}).get("stages", 2) if plan.pipeline else 1
         for precision in (args.precisions or precisions).split(","):
-            label = f"{name}/{precision}"
+            label = f"{row.name}/{precision}"
             if args.cpu and (precision == "fp16" or row.gpu_only):   # gpu-only: accelerate_configs/backends.tsv
                 results.append({"row": label, "status": "skipped: GPU only"})
                 report(text_of(args, results), args.out, results, final=False)
                 continue
-            if name == "pipeline" and not args.cpu and gpus < 2:
-                results.append({"row": label, "status": "skipped: 2 stages need 2 GPUs"})
+            if not args.cpu and gpus < stages:
+                results.append({"row": label, "status": f"skipped: {stages} stages need {stages} GPUs"})
                 continue
-            nproc = 2 if (args.cpu or name == "pipeline") else 1
+            nproc = 2 if args.cpu else stages
             print(f"[gpu-smoke] {label} on {nproc} process(es) ...", flush=True)
             results.append(smoke(row, precision, args, nproc, work))
             report(text_of(args, results), args.out, results, final=False)   # each row kept as it finishes

@@ -24,6 +24,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -31,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # tools/measure.py, u
 
 from bert_recipes.activations import Shape, activation_bytes, workload_of  # noqa: E402
 from bert_recipes.backends.consistency import resolve_run  # noqa: E402
-from bert_recipes.backends.plan import LaunchPlan, backend_rows, plan_from_config_file  # noqa: E402
+from bert_recipes.backends.plan import LaunchPlan, backend_rows, first_row, plan_from_config_file  # noqa: E402
 from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
-from bert_recipes.memory import (BACKENDS, GiB, Launch, fmt, launch_of, plan_backend, planner_row,  # noqa: E402
-                                 predict_run, replicas, step_precision)
+from bert_recipes.memory import (GiB, Launch, States, fmt, launch_of, plan_backend, predict_run,  # noqa: E402
+                                 replicas, states_of, step_precision)
 
 CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: not usable by tensors
 
@@ -60,24 +61,53 @@ def recipe_shape(cfg) -> tuple[Shape, str | None]:
 
 
 # ----------------------------------------------------------------------------- the launch config
+class Backend(NamedTuple):
+    """A backend as the planner plans it: its label (a row of accelerate_configs/backends.tsv, or the kind of a
+    --config that is no row), how it holds the model states (memory.States, from its launch files) and its launch
+    (world, precision, device, and its own DeepSpeed JSON's buckets and pipeline stages)."""
+    label: str
+    states: States
+    launch: Launch
+
+
+def backend_of(label: str, plan: LaunchPlan, world: int, precision: str, device: str) -> Backend | None:
+    """The Backend of a launch plan; None for one the planner does not model (ZeRO-0, ZeRO-1 with offload)."""
+    states = states_of(plan)
+    return Backend(label, states, launch_of(plan, world, precision, device)) if states is not None else None
+
+
+def table_backends(world: int, precision: str, device: str) -> tuple[list[Backend], list[str]]:
+    """Every one-node row of the table the planner models, in its order, each planned from its own launch files
+    (a multi-node row's device holds what its one-node twin's does). -> (backends, the rows it does not model)."""
+    planned, skipped = [], []
+    for name, row in backend_rows().items():
+        if row.nodes > 1:
+            continue
+        found = backend_of(name, row.plan, world, precision, device)
+        (planned.append(found) if found else skipped.append(name))
+    return planned, skipped
+
+
 def read_launch_config(path: str | None, world: int | None, device: str | None,
-                       precision: str) -> tuple[str, Launch, LaunchPlan]:
+                       precision: str) -> tuple[Backend, LaunchPlan]:
     """The backend, world size, device and DeepSpeed settings an accelerate YAML (and the JSON it
-    names) would run; without a YAML, DDP on one CUDA device."""
+    names) would run, labelled by its row in the table (its kind's name for a file that is no row); without a
+    YAML, DDP on one CUDA device."""
     plan = plan_from_config_file(path) if path else LaunchPlan()
-    backend = planner_row(plan)
-    if backend is None:
-        raise ConfigError(f"--config {path} runs {plan.name}, which the planner does not model "
-                          f"(it models {', '.join(BACKENDS)})")
     device = device or ("cpu" if plan.cpu else "cuda")
     plan.on_gpu = device == "cuda"
-    return backend, launch_of(plan, world or plan.num_processes or 1, precision, device), plan
+    same = lambda row: path and (REPO / row.config).resolve() == Path(path).resolve()   # noqa: E731
+    label = next((name for name, row in backend_rows().items() if same(row)), plan.name)
+    backend = backend_of(label, plan, world or plan.num_processes or 1, precision, device)
+    if backend is None:
+        modelled = ", ".join(b.label for b in table_backends(1, precision, device)[0])
+        raise ConfigError(f"--config {path} runs {plan.name}, which the planner does not model (it models {modelled})")
+    return backend, plan
 
 
-def refusal(cfg, backend: str, world: int) -> str | None:
-    """Why a launch of this recipe under another backend (its row's YAML in backends.tsv) would be
-    refused, or None."""
-    plan = plan_from_config_file(backend_rows()[backend].config)
+def refusal(cfg, label: str, world: int) -> str | None:
+    """Why a launch of this recipe under another row of the table would be refused, or None."""
+    plan = backend_rows()[label].plan
     plan.on_gpu = True
     try:
         resolve_run(copy.deepcopy(cfg), plan, world, capability=None)
@@ -96,9 +126,10 @@ def check_as_a_launch(cfg, plan: LaunchPlan, world: int) -> None:
 
 
 # ----------------------------------------------------------------------------- plan
-def plan_for(backend: str, shape: Shape, cfg, launch: Launch, micro: int, checkpointing: bool):
-    accum = max(1, cfg.train.global_batch_size // (micro * replicas(backend, launch)))
-    return plan_backend(backend, shape, workload_of(cfg, micro_batch=micro), replace(launch, micro_batches=accum),
+def plan_for(backend: Backend, shape: Shape, cfg, micro: int, checkpointing: bool):
+    launch = backend.launch
+    accum = max(1, cfg.train.global_batch_size // (micro * replicas(backend.states, launch)))
+    return plan_backend(backend.states, shape, workload_of(cfg, micro_batch=micro), replace(launch, micro_batches=accum),
                         checkpointing)
 
 
@@ -106,51 +137,63 @@ def need(plan) -> int:
     return plan.peak + CONTEXT_RESERVE
 
 
-def largest_micro_batch(backend, shape, cfg, launch, memory, checkpointing) -> int | None:
+def largest_micro_batch(backend: Backend, shape, cfg, memory, checkpointing) -> int | None:
     """The largest micro batch (a divisor of the per-replica global batch, so accumulation makes
     up the rest) whose step fits."""
-    per_replica = max(1, cfg.train.global_batch_size // replicas(backend, launch))
+    per_replica = max(1, cfg.train.global_batch_size // replicas(backend.states, backend.launch))
     for micro in sorted((d for d in range(1, per_replica + 1) if per_replica % d == 0), reverse=True):
-        if need(plan_for(backend, shape, cfg, launch, micro, checkpointing)) <= memory:
+        if need(plan_for(backend, shape, cfg, micro, checkpointing)) <= memory:
             return micro
     return None
 
 
-def verdict(backend: str, shape: Shape, cfg, launch: Launch, memory: float) -> list[str]:
+def suggested(world: int, precision: str, device: str, kind: str, zero_stage: int | None = None,
+              offload: str = "none") -> Backend | None:
+    """The table's first one-node row of this kind, ZeRO stage and offload (plan.first_row), as the verdict
+    suggests it: by its label, planned from its own launch files."""
+    name = first_row(kind, zero_stage, offload)
+    return backend_of(name, backend_rows()[name].plan, world, precision, device) if name else None
+
+
+def verdict(chosen: Backend, shape: Shape, cfg, memory: float) -> list[str]:
     """One line on the launch config's backend, then either the other backends' needs or the
     cheapest change that fits."""
-    micro, ckpt = cfg.train.micro_batch_size, cfg.model.gradient_checkpointing
-    where = f"on {memory / GiB:g} GiB with {backend} at micro batch {micro}" + (" with checkpointing" if ckpt else "")
-    mine = plan_for(backend, shape, cfg, launch, micro, ckpt)
+    micro, ckpt, launch = cfg.train.micro_batch_size, cfg.model.gradient_checkpointing, chosen.launch
+    like = lambda *facts: suggested(launch.world, launch.mixed_precision, launch.device, *facts)   # noqa: E731
+    where = f"on {memory / GiB:g} GiB with {chosen.label} at micro batch {micro}" + (" with checkpointing" if ckpt else "")
+    mine = plan_for(chosen, shape, cfg, micro, ckpt)
     if need(mine) <= memory:
-        best = largest_micro_batch(backend, shape, cfg, launch, memory, ckpt)
+        best = largest_micro_batch(chosen, shape, cfg, memory, ckpt)
         lines = [f"fits {where}: needs {fmt(need(mine))}" + (f"; up to micro batch {best} fits" if best and best > micro else "")]
-        lines += [f"  {other} needs {fmt(need(plan_for(other, shape, cfg, launch, micro, ckpt)))}"
-                  for other in ("ddp", "zero2", "zero3") if other != backend]
+        lines += [f"  {other.label} needs {fmt(need(plan_for(other, shape, cfg, micro, ckpt)))}"
+                  for other in (like("ddp"), like("deepspeed", 2), like("deepspeed", 3))
+                  if other and other.label != chosen.label]
         return lines
     lines = [f"does NOT fit {where}: needs {fmt(need(mine))}"]
     # Cheapest first: sharding optimizer states and gradients costs ~nothing in speed, a smaller
     # micro batch (accumulation keeps the global batch) a little, checkpointing ~30% more compute,
     # ZeRO-3 extra all-gathers, offload PCIe traffic.
     options = []
-    if backend in ("ddp", "zero1") and launch.world > 1:
-        options += [(f"switch to {o} (same speed: shards the optimizer states" + (" and gradients)" if o == "zero2" else ")"),
-                     o, micro, ckpt) for o in ("zero1", "zero2") if o != backend]
-    smaller = largest_micro_batch(backend, shape, cfg, launch, memory, ckpt)
+    unsharded = chosen.states.kind == "ddp" or (chosen.states.kind == "deepspeed" and chosen.states.zero_stage == 1)
+    if unsharded and launch.world > 1:
+        options += [(f"switch to {o.label} (same speed: shards the optimizer states"
+                     + (" and gradients)" if o.states.zero_stage == 2 else ")"), o, micro, ckpt)
+                    for o in (like("deepspeed", 1), like("deepspeed", 2)) if o and o.label != chosen.label]
+    smaller = largest_micro_batch(chosen, shape, cfg, memory, ckpt)
     if smaller:
-        accum = cfg.train.global_batch_size // (smaller * replicas(backend, launch))
+        accum = cfg.train.global_batch_size // (smaller * replicas(chosen.states, launch))
         options.append((f"--train.micro_batch_size={smaller} (accumulation {accum} keeps global batch "
-                        f"{cfg.train.global_batch_size})", backend, smaller, ckpt))
+                        f"{cfg.train.global_batch_size})", chosen, smaller, ckpt))
     if not ckpt:
-        text = ("pipeline.activation_checkpoint_interval: 1 in the DeepSpeed JSON" if backend == "pipeline"
+        text = ("pipeline.activation_checkpoint_interval: 1 in the DeepSpeed JSON" if chosen.states.kind == "pipeline"
                 else "--model.gradient_checkpointing=true (~30% more compute)")
-        options.append((text, backend, micro, True))
-    options += [(f"switch to {o}", o, micro, ckpt) for o in ("zero3", "zero3-offload")
-                if o != backend and (o == "zero3-offload" or launch.world > 1)]
+        options.append((text, chosen, micro, True))
+    options += [(f"switch to {o.label}", o, micro, ckpt) for o in (like("deepspeed", 3), like("deepspeed", 3, "cpu"))
+                if o and o.label != chosen.label and (o.states.offloaded or launch.world > 1)]
     for text, other, mb, with_ckpt in options:
-        if other != backend and refusal(cfg, other, launch.world):
+        if other.label != chosen.label and refusal(cfg, other.label, launch.world):
             continue   # a switch that training would refuse (LAMB under ZeRO) is no fix
-        plan = plan_for(other, shape, cfg, launch, mb, with_ckpt)
+        plan = plan_for(other, shape, cfg, mb, with_ckpt)
         if need(plan) <= memory:
             return lines + [f"cheapest fix: {text}: needs {fmt(need(plan))}"]
     return lines + ["no single change fits: combine gradient checkpointing with ZeRO-3 offload, or use more devices"]
@@ -160,10 +203,10 @@ def print_plan(args, cfg) -> dict:
     shape, note = recipe_shape(cfg)
     if args.precision:
         cfg.train.mixed_precision = args.precision
-    backend, launch, plan = read_launch_config(args.config, args.world, args.device, cfg.train.mixed_precision)
-    memory = args.gpu_memory * GiB
+    chosen, plan = read_launch_config(args.config, args.world, args.device, cfg.train.mixed_precision)
+    launch, memory = chosen.launch, args.gpu_memory * GiB
     if cfg.train.micro_batch_size == "auto":   # as a GPU run would pick it on this much memory
-        cfg.train.micro_batch_size = largest_micro_batch(backend, shape, cfg, launch, memory,
+        cfg.train.micro_batch_size = largest_micro_batch(chosen, shape, cfg, memory,
                                                          cfg.model.gradient_checkpointing) or 1
         print(f"train.micro_batch_size=auto: {cfg.train.micro_batch_size} on {args.gpu_memory:g} GiB (a run decides "
               "from its GPU's free memory, with a margin: bert_recipes.memory.auto_micro_batch)")
@@ -175,30 +218,37 @@ def print_plan(args, cfg) -> dict:
           f"{fmt(CONTEXT_RESERVE)} is kept for the CUDA context")
     if note:
         print(f"note: {note}")
+    backends, unmodelled = table_backends(launch.world, launch.mixed_precision, launch.device)
+    if chosen.label not in [b.label for b in backends]:   # a --config that is no row of the table: its own line first
+        backends.insert(0, chosen)
     head = ["backend", "params", "grads", "optimizer", "activations", "act (ckpt)", "temp", "peak", "peak (ckpt)", ""]
     rows, out = [], {}
-    for name in BACKENDS:
-        p = plan_for(name, shape, cfg, launch, micro, ckpt)
-        c = plan_for(name, shape, cfg, launch, micro, True)
+    for backend in backends:
+        name = backend.label
+        p = plan_for(backend, shape, cfg, micro, ckpt)
+        c = plan_for(backend, shape, cfg, micro, True)
         mark = "fits" if need(p) <= memory else ("fits w/ ckpt" if need(c) <= memory else "OOM")
-        if name == "pipeline" and launch.world < 2:
+        if backend.states.kind == "pipeline" and launch.world < 2:
             mark = "needs 2+ devices"
         rows.append([name, fmt(p.parameters), fmt(p.gradients), fmt(p.optimizer), fmt(p.activations),
                      fmt(c.activations), fmt(p.temporary), fmt(p.peak), fmt(c.peak), mark])
         out[name] = {"parameters": p.parameters, "gradients": p.gradients, "optimizer": p.optimizer,
                      "activations": p.activations, "activations_checkpointed": c.activations,
-                     "temporary": p.temporary, "peak": p.peak, "peak_checkpointed": c.peak, "notes": p.notes}
+                     "temporary": p.temporary, "peak": p.peak, "peak_checkpointed": c.peak, "notes": p.notes,
+                     "planned_as": backend.states.name}
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     for r in [head] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
-    for name in BACKENDS:
+    for name in out:
         for line in out[name]["notes"]:
             print(f"  {name}: {line}")
-    lines = verdict(backend, shape, cfg, launch, memory)
+    if unmodelled:
+        print(f"  not modelled: {', '.join(unmodelled)}")
+    lines = verdict(chosen, shape, cfg, memory)
     if note:
         lines[0] += " (assumed shape)"
     print("verdict: " + "\n".join(lines))
-    return {"backends": out, "verdict": lines, "chosen": backend, "world": launch.world}
+    return {"backends": out, "verdict": lines, "chosen": chosen.label, "world": launch.world}
 
 
 # ----------------------------------------------------------------------------- measure
@@ -321,13 +371,14 @@ def measure(args, cfg) -> dict:
     if device.type == "cuda":
         measured["peak_allocated"] = torch.cuda.max_memory_allocated()
 
-    backend = planner_row(launch_plan)
-    if backend is None:
+    states = states_of(launch_plan)
+    if states is None:
         raise ConfigError(f"--measure: the planner does not model {launch_plan.name}")
+    backend = states.name
     plan = predict_run(cfg, config, launch_plan, world, device.type, masked_tokens=masked)
     # The saved-tensor count sees what autograd stores; a checkpointed layer rebuilt in backward is transient.
     stored = activation_bytes(shape, workload_of(cfg, config, masked_tokens=masked),
-                              step_precision(backend, accelerator.mixed_precision), device.type,
+                              step_precision(states, accelerator.mixed_precision), device.type,
                               cfg.model.gradient_checkpointing)["total"]
     estimate = {"parameters": plan.parameters, "gradients": plan.gradients, "optimizer": plan.optimizer,
                 "activations": stored, "peak": plan.peak}
@@ -377,5 +428,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from bert_recipes.guard import leave
+    from bert_recipes.exits import leave
     leave(main())   # --measure under a launcher: without tearing gloo down

@@ -18,7 +18,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import REPO, add_run_arguments, rows, run_row   # noqa: E402  (same launcher as gpu-check)
+from gpu_check import REPO, add_run_arguments, run_row   # noqa: E402  (same launcher as gpu-check)
+
+from bert_recipes.backends.plan import chosen_rows, first_row   # noqa: E402
+from bert_recipes.config import ConfigError   # noqa: E402
 
 
 def yardsticks(results: list[dict]) -> list[str]:
@@ -35,7 +38,7 @@ def yardsticks(results: list[dict]) -> list[str]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="ddp", help="a row of accelerate_configs/backends.tsv")
+    parser.add_argument("--backend", help="a row of accelerate_configs/backends.tsv (default: its first DDP row)")
     parser.add_argument("--counts", help="process counts, e.g. 1,2,4,8 (default: powers of 2 up to the devices)")
     add_run_arguments(parser, work="runs/scaling", cpu_help="CPU processes (one core each)")
     args = parser.parse_args()
@@ -46,9 +49,15 @@ def main():
     devices = (os.cpu_count() or 1) if args.cpu else torch.cuda.device_count()
     counts = [int(c) for c in args.counts.split(",")] if args.counts else \
         [2 ** k for k in range(8) if 2 ** k <= devices]
-    row = next((r for r in rows() if r.name == args.backend), None)
-    if row is None:
-        sys.exit(f"unknown backend {args.backend!r}: one of {[r.name for r in rows()]}")
+    args.backend = args.backend or first_row("ddp")
+    try:
+        chosen = chosen_rows(args.backend, "--backend")   # a name that is no row: one line
+        if len(chosen) != 1:
+            raise ConfigError(f"--backend takes one row, got {args.backend}")
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    row = chosen[0]
     work = REPO / args.work / args.backend
     work.mkdir(parents=True, exist_ok=True)
     results = []

@@ -1,10 +1,9 @@
 """The Accelerator a resolved plan asks for, the GPU kernels it sets, and what really engaged: the
-optimizer that steps, the backend described, the full weights. The backend
+optimizer that steps, the backend described. The backend
 itself (DDP, DeepSpeed, FSDP) comes from the launch config; each one's own rules are in
 backends/deepspeed.py and backends/fsdp.py."""
 from __future__ import annotations
 
-import contextlib
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -16,10 +15,11 @@ from . import deepspeed as ds_rules
 from . import fsdp as fsdp_rules
 from .plan import LaunchPlan
 
+
 def set_kernels(plan: LaunchPlan) -> str | None:
     """The GPU kernels the run's plan calls for, set once before the model runs (nothing on CPUs):
     - fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer; a no-op before), as
-      NVIDIA's recipes train; MFU then divides by the TF32 peak (bert_recipes.perf.gpu_peak);
+      NVIDIA's recipes train; MFU then divides by the TF32 peak (bert_recipes.throughput.gpu_peak);
     - padded batches (an attention mask) never take cuDNN's attention: on Hopper torch may pick it for
       a masked batch, and it builds an execution graph for every new shape, tens of milliseconds on
       the host (the fine-tuning spikes of 185-250 ms every 3-5 steps measured on an H200, 2026-11-30).
@@ -67,7 +67,7 @@ def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig,
         # Every optimizer step takes exactly `accum` micro batches (train.py's loop), so the
         # gradients sync on the count alone, never on an epoch's end.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=plan.accum, sync_with_dataloader=False),
-        step_scheduler_with_optimizer=False,   # the engine steps the schedule once per optimizer step
+        step_scheduler_with_optimizer=False,   # train.py's step advances the schedule once per optimizer step
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         # non_blocking: pinned batches are copied to the GPU without making the host wait
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=pin_memory),
@@ -166,7 +166,7 @@ def describe(accelerator, model, full_param_numel: int) -> dict:
     (a rank holding fewer parameter elements than the full model's `full_param_numel`)."""
     from accelerate.utils import DistributedType
     unwrapped = bare_model(accelerator, model)
-    local = sum(_local_numel(p) for p in (model if fsdp_rules.is_fsdp1(accelerator) else unwrapped).parameters())
+    local = sum(_local_numel(p) for p in unwrapped.parameters())
     info = {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes,
             "mixed_precision": accelerator.mixed_precision, "local_param_numel": local,
             "full_param_numel": full_param_numel, "params_sharded": local < full_param_numel}
@@ -190,21 +190,3 @@ def cpu_affinity(on_gpu: bool) -> str:
     if not on_gpu:
         return "asked, nothing to bind (no GPU)"
     return f"on ({len(os.sched_getaffinity(0))} cores of {os.cpu_count()})"
-
-
-@contextlib.contextmanager
-def full_weights(accelerator, model):
-    """Yield {name: full tensor} as this rank sees the model, gathering shards where the backend
-    shards them (ZeRO-3: GatheredParameters; FSDP2: DTensor.full_tensor; FSDP1: summon_full_params).
-    Collective under sharded backends: every rank must enter it."""
-    from accelerate.utils import DistributedType
-    unwrapped = bare_model(accelerator, model)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and model.zero_optimization_stage() == 3:
-        with ds_rules.zero3_full_weights(unwrapped) as weights:
-            yield weights
-    elif fsdp_rules.is_fsdp1(accelerator):
-        with fsdp_rules.fsdp1_full_weights(accelerator, model) as weights:
-            yield weights
-    else:
-        yield {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-               for k, v in unwrapped.state_dict().items()}

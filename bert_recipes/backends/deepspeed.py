@@ -8,9 +8,9 @@ DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README
   (fill_deepspeed_autos);
 - NVMe offload: a private swap folder per run (private_swap_dirs), the gradient swap that goes wrong on
   CPU processes (check_nvme_gradient_swap), ZeRO-3's dtype slip (zero3_keeps_model_dtype);
-- what engaged (describe_deepspeed; REPLACED, when Accelerate ran something else) and ZeRO-3's gathered weights (zero3_full_weights);
+- what engaged (describe_deepspeed; REPLACED, when Accelerate ran something else);
 - a failed save that must still meet DeepSpeed's own barrier (saved_meeting_the_barrier);
-- its step's result (deepspeed_step), its CPU Adam (cpu_adam), the fp32 master weights an export holds
+- what its own step decided (deepspeed_norm_and_skip), its CPU Adam (cpu_adam), the fp32 master weights an export holds
   (fp32_state_dict), and its `synchronize` for sync_audit.SyncAudit to count (its own step's host waits are
   listed in tests/deepspeed_syncs.py).
 
@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from pathlib import Path
 
 from ..config import Config, ConfigError, OptimConfig
-from ..checkpoint import cannot_create_in
+from ..places import cannot_create_in
 from .plan import LaunchPlan
 
 # DeepSpeed's own Lamb is not the recipe's: its FusedLamb applies the trust ratio to every tensor, clamped to
@@ -52,7 +51,7 @@ def saved_meeting_the_barrier(save) -> None:
     0.19.8's save_checkpoint (runtime/engine.py) makes its directory, waits in dist.barrier(), checks the tag
     (a collective), writes each rank's files, then waits in dist.barrier() again. A rank whose write fails
     (a full disk) skips that last barrier and leaves the others in it until the collective timeout: it
-    meets it before it raises, so every rank reaches the agreement after the save (guard.written_by_all)."""
+    meets it before it raises, so every rank reaches the agreement after the save (ranks.written_by_all)."""
     try:
         save()
     except Exception:
@@ -359,21 +358,13 @@ def zero3_partition_numel(p) -> int | None:
     return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None
 
 
-@contextlib.contextmanager
-def zero3_full_weights(unwrapped):
-    """ZeRO-3's parameters gathered whole (GatheredParameters): {name: full tensor}. Collective."""
-    import deepspeed
-    with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-        yield {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}
-
-
 # A DeepSpeed config that Accelerate ran as something else (accelerator.check_engaged says it).
 REPLACED = ("the accelerate config asks for DeepSpeed but Accelerate runs {got} (ACCELERATE_USE_CPU=1 turns a "
             "DeepSpeed config into plain DDP: on CPU set DS_ACCELERATOR=cpu instead)")
 
 
 # ---------------------------------------------------------------------------- the step, the optimizer, the export
-def deepspeed_step(accelerator, model) -> tuple:
+def deepspeed_norm_and_skip(accelerator, model) -> tuple:
     """After DeepSpeed's own step (inside backward, on the last micro batch): (its global gradient norm,
     whether it skipped the update: its overflow check, decided on the host)."""
     return model.get_global_grad_norm(), accelerator.optimizer_step_was_skipped

@@ -20,7 +20,7 @@ def universal_checkpoint(checkpoint: Path, tag: str = "pytorch_model") -> Path:
     """A ZeRO checkpoint saved by another number of processes, as DeepSpeed's universal checkpoint, made once
     next to it (<checkpoint>/universal, written as .partial and renamed) with DeepSpeed's own converter
     (deepspeed.checkpoint.ds_to_universal; --inject_missing_state: Accelerate's checkpoints lack the
-    metadata Megatron-DeepSpeed writes). Rank 0's work (the engine runs it through rank0.on_rank0, which
+    metadata Megatron-DeepSpeed writes). Rank 0's work (the engine runs it through ranks.on_rank0, which
     raises its error on every rank). tag: the DeepSpeed checkpoint's folder (Accelerate's pytorch_model, the
     pipeline's engine). -> the directory to load (the same tag, the RNG files beside it). A failed conversion
     is one line."""
@@ -53,10 +53,10 @@ def universal_checkpoint(checkpoint: Path, tag: str = "pytorch_model") -> Path:
 @contextlib.contextmanager
 def resharded(checkpoint: Path, processes: int, ds_engine, is_main: bool, broadcast, tag: str = "pytorch_model"):
     """The directory a DeepSpeed engine loads from: the checkpoint itself, or, saved by another number of
-    processes, its universal conversion (rank 0 makes it once, rank0.on_rank0), with DeepSpeed's universal
+    processes, its universal conversion (rank 0 makes it once, ranks.on_rank0), with DeepSpeed's universal
     load on for as long as the block runs. Both engines load through here (engine.py, pipeline.py)."""
     from ..layout import saved_layout
-    from ..rank0 import on_rank0
+    from ..ranks import on_rank0
     saved = saved_layout(checkpoint)
     if not saved or saved.get("world") == processes:
         yield checkpoint

@@ -4,7 +4,8 @@
 environment variables; `read_launch_plan` reads them, plus the DeepSpeed JSON they point at. Tools
 that plan a launch without running it read the YAML itself with `plan_from_config_file`, into the
 same LaunchPlan, so the backend vocabulary (name, kind, ZeRO stage, offload, sharding) is defined
-once, here. The rows of accelerate_configs/backends.tsv (the Make targets) are BackendRows.
+once, here. The rows of accelerate_configs/backends.tsv (the Make targets) are BackendRows: data, each planned
+from its own launch files.
 
 The launch files get their libraries' own verdicts here, before any rank builds anything: Accelerate's on
 its YAML (accelerate_verdict) and DeepSpeed's pydantic section models on its JSON (ds_json_verdict).
@@ -104,11 +105,6 @@ class LaunchPlan:
             return self.kind
         suffix = {"none": "", "cpu": "-offload", "nvme": "-nvme"}[self.offload]
         return f"zero{self.zero_stage}{suffix}"
-
-    @property
-    def shards_params(self) -> bool:
-        """Does a rank hold only part of the weights? (ZeRO-3, FSDP, the pipeline's stages)"""
-        return self.kind in ("fsdp", "pipeline") or (self.kind == "deepspeed" and self.zero_stage == 3)
 
 
 def read_launch_plan(env=os.environ) -> LaunchPlan:
@@ -297,11 +293,14 @@ def local_capability() -> tuple[int, int]:
 # ---------------------------------------------------------------------------- the backend matrix
 @dataclass(frozen=True)
 class BackendRow:
-    """One row of accelerate_configs/backends.tsv: a Make target and how it launches."""
+    """One row of accelerate_configs/backends.tsv: a Make target and how it launches. A row is data: its name is
+    its label (the Make target, what the planner and the tools show), never derived from its kind; its kind,
+    ZeRO stage, offload and sharding are read from its launch files (plan)."""
     name: str
     config: str          # the accelerate YAML on GPUs
     cpu_yaml: str | None  # the accelerate YAML on CPU processes; None: a GPU-only row
     cpu_env: str         # VAR=value the CPU launch needs (the Makefile prefixes the same)
+    nodes: int = 1       # machines the launch spans (the Makefile's multi-node rule; = the YAML's num_machines)
 
     @property
     def gpu_only(self) -> bool:
@@ -312,12 +311,13 @@ class BackendRow:
     def cpu_config(self) -> str:
         if self.cpu_yaml is None:
             raise ConfigError(f"{self.name} runs on GPUs only (accelerate_configs/backends.tsv): on CPU processes use "
-                              "ddp, or zero3 for sharded parameters")
+                              "a DDP or ZeRO row (make modes)")
         return self.cpu_yaml
 
     @property
     def plan(self) -> LaunchPlan:
-        return plan_from_config_file(REPO / self.config)
+        """The LaunchPlan its GPU launch file gives (read once a process; a copy each time: tools fill it in)."""
+        return _file_plan(self.config)
 
     def cpu_launch_env(self, env: dict) -> dict:
         """`env` with this row's CPU launch variables. DeepSpeed on CPU needs DS_ACCELERATOR=cpu and
@@ -329,15 +329,58 @@ class BackendRow:
         return {**out, **assignments}
 
 
+@functools.lru_cache(maxsize=None)
+def _read_file_plan(config: str) -> LaunchPlan:
+    return plan_from_config_file(REPO / config)
+
+
+def _file_plan(config: str) -> LaunchPlan:
+    import copy
+    return copy.deepcopy(_read_file_plan(config))
+
+
+TSV_COLUMNS = ("name", "accelerate_config", "cpu_config", "cpu_env", "nodes")
+
+
 def backend_rows() -> dict[str, BackendRow]:
-    """The backend matrix, read by the Makefile, tools/ and the tests alike."""
+    """The backend matrix, read by the Makefile, tools/ and the tests alike: the one list of rows."""
     rows = {}
-    for line in BACKENDS_TSV.read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, config, cpu_config, cpu_env = line.split("\t")
-            cpu_yaml = None if cpu_config == "gpu-only" else config if cpu_config == "-" else cpu_config
-            rows[name] = BackendRow(name, config, cpu_yaml, "" if cpu_env == "-" else cpu_env)
+    for n, line in enumerate(BACKENDS_TSV.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        cells = line.split("\t")
+        if len(cells) != len(TSV_COLUMNS) or not cells[4].isdigit():
+            raise ConfigError(f"{BACKENDS_TSV}:{n}: a row has {len(TSV_COLUMNS)} tab-separated columns "
+                              f"({', '.join(TSV_COLUMNS)}; nodes a number), got {cells!r}")
+        name, config, cpu_config, cpu_env, nodes = cells
+        cpu_yaml = None if cpu_config == "gpu-only" else config if cpu_config == "-" else cpu_config
+        rows[name] = BackendRow(name, config, cpu_yaml, "" if cpu_env == "-" else cpu_env, int(nodes))
     return rows
+
+
+def chosen_rows(names: str | None, option: str = "--rows") -> list[BackendRow]:
+    """The rows a tool's option (--rows) names (comma-separated), in the table's order; every row without names. A
+    name that is no row: ConfigError, one line naming it and the rows there are (never skipped in silence)."""
+    rows = backend_rows()
+    if not names:
+        return list(rows.values())
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in rows]
+    if unknown:
+        raise ConfigError(f"{option}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a row of "
+                          f"accelerate_configs/backends.tsv (its rows: {', '.join(rows)})")
+    return [row for name, row in rows.items() if name in wanted]
+
+
+def first_row(kind: str, zero_stage: int | None = None, offload: str = "none") -> str | None:
+    """The first one-node row (in the table's order) whose launch files give this kind (ddp | fsdp | deepspeed |
+    pipeline), ZeRO stage and offload: how a tool names a backend it suggests or compares, from the table."""
+    for name, row in backend_rows().items():
+        plan = row.plan
+        if (row.nodes == 1 and plan.kind == kind and plan.offload == offload
+                and (zero_stage is None or plan.zero_stage == zero_stage)):
+            return name
+    return None
 
 
 # ---------------------------------------------------------------------------- DeepSpeed's own verdict on its JSON

@@ -1,5 +1,7 @@
-"""Throughput accounting: BERT FLOPs per token, the device's peak (with the run's [mfu] line: mfu_terms), and
-the data-loader verdict.
+"""How fast a run goes: what passed through the model in each log window (Throughput: tokens, sequences, padding,
+the data wait, per-step times) and the [train] line that shows it; MFU's terms (BERT FLOPs per token, the
+device's peak: mfu_terms, the [mfu] line); the data-loader verdict; the ranks' extremes at a log step; peak
+memory and the profiler.
 
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs counted from the architecture (the
 PaLM-paper convention: matmuls only, backward = 2 x forward, recomputation not counted).
@@ -11,11 +13,132 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
-from .guard import all_max
+from .ranks import all_max
 
+# ----------------------------------------------------------------------------- what passed through the model
+class Throughput:
+    """Counts what passed through the model since the last `read()`, on this rank.
+
+    tokens_real counts non-pad tokens (attention_mask), tokens_padded every position fed to the
+    model, so their ratio shows how much compute padding wastes. Counts and losses stay tensors on
+    the batch's device until `read()`, so a GPU never waits for the host between log steps.
+    `counts_data=False` (a middle or last pipeline stage) times its steps but counts no data, so
+    every sequence is counted once. `shapes` collects every batch shape this rank fed the model.
+    step_times (logging.step_times): each step's end is marked (a CUDA event on a GPU, recorded on the
+    stream without waiting; the host clock on a CPU), and `read()` turns the marks into per-step times:
+    on a GPU the device's time from one step's end to the next, which includes the time it sat idle
+    waiting for the host."""
+
+    def __init__(self, counts_data: bool = True, step_times: bool = False, on_gpu: bool = False,
+                 shapes: set | None = None):
+        self.counts_data, self.step_times, self.on_gpu = counts_data, step_times, on_gpu
+        self.shapes = shapes if shapes is not None else set()
+        self.marks: list = []
+        self.last_mark = self._mark() if step_times else None
+        self.reset()
+
+    def _mark(self):
+        if self.on_gpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def reset(self):
+        self.t0 = time.perf_counter()
+        self.wait_s = 0.0
+        self.excluded_s = 0.0
+        self.samples = 0
+        self.tokens_real = 0
+        self.tokens_padded = 0
+        self.loss_sum = 0.0
+        self.steps = 0
+        self.marks = []
+
+    def feed(self, batches: Iterator[dict]) -> Iterator[dict]:
+        """Pass micro-batches through, timing the wait for each (the data-loader verdict) and
+        counting what it holds."""
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.wait_s += time.perf_counter() - t0
+            if self.counts_data:
+                ids = batch["input_ids"]
+                self.shapes.add(tuple(ids.shape))
+                self.samples += ids.shape[0]
+                self.tokens_padded += ids.numel()
+                self.tokens_real = self.tokens_real + (batch["attention_mask"].sum() if "attention_mask" in batch
+                                                       else ids.numel())
+            yield batch
+
+    def add_step(self, loss):
+        """One optimizer step done; `loss` is its mean over micro batches (a tensor or a float)."""
+        self.steps += 1
+        if self.counts_data:
+            self.loss_sum = self.loss_sum + loss
+        if self.step_times:   # (start, end): from the previous step's end, or the end of what was set aside
+            end = self._mark()
+            self.marks.append((self.last_mark, end))
+            self.last_mark = end
+
+    def exclude(self, seconds: float):
+        """Take time spent outside training (eval, checkpoints) out of the window."""
+        self.excluded_s += seconds
+        if self.step_times:   # the next step is timed from here
+            self.last_mark = self._mark()
+
+    def _step_times_ms(self) -> list[float]:
+        if not self.marks:
+            return []
+        if self.on_gpu:
+            self.marks[-1][1].synchronize()
+            return [start.elapsed_time(end) for start, end in self.marks]
+        return [(end - start) * 1000 for start, end in self.marks]
+
+    def read(self, all_sum: Callable, device) -> dict[str, float]:
+        """Sums over ranks (one small all-reduce, `all_sum`), then rates over the window's wall time."""
+        elapsed = max(time.perf_counter() - self.t0 - self.excluded_s, 1e-9)
+        ranks = 1.0 if self.counts_data else 0.0
+        local = torch.tensor([float(self.samples), float(self.tokens_real), float(self.tokens_padded),
+                              float(self.loss_sum), ranks * self.steps, self.wait_s * ranks, ranks],
+                             dtype=torch.float64, device=device)
+        samples, real, padded, loss_sum, steps, wait, ranks = all_sum(local).tolist()
+        out = {"loss": loss_sum / max(steps, 1),
+               "samples_per_sec": samples / elapsed,
+               "tokens_per_sec": real / elapsed,
+               "padded_tokens_per_sec": padded / elapsed,
+               "step_time_s": elapsed / max(self.steps, 1),
+               "data_wait_share": wait / (elapsed * max(ranks, 1)),
+               "local_data_wait_share": self.wait_s / elapsed if self.counts_data else 0.0,
+               "window_s": elapsed, "window_steps": self.steps, "window_tokens": real}
+        if self.step_times:
+            out["step_times_ms"] = self._step_times_ms()
+        self.reset()
+        return out
+
+
+def train_line(row: dict, total_steps: int, predicted_peak_gb: float | None, warn_share: float) -> str:
+    """The [train] line of a log step: loss, lr, grad norm, throughput, MFU, data wait; on GPUs the peak memory
+    (max over ranks) beside the planner's prediction, and the GPU sampler's part."""
+    memory = "" if predicted_peak_gb is None else \
+        f" peak mem {row['peak_memory_gb']:.2f} GB (max over ranks; predicted {predicted_peak_gb:.2f})"
+    return (f"[train] step {row['step']}/{total_steps} loss {row['loss']:.4f} lr {row['lr']:.3e} "
+            f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:.0f} tok/s "
+            f"({row['padded_tokens_per_sec']:.0f} padded) {row['samples_per_sec']:.1f} samples/s "
+            f"{row['step_time_s'] * 1000:.0f} ms/step MFU {row['mfu']:.1%} "
+            f"data-wait {row['data_wait_share']:.0%} (worst rank {row['data_wait_worst']:.0%})" + memory
+            + utilisation_text(row, warn_share))
+
+
+# ----------------------------------------------------------------------------- MFU's terms
 # Dense peak FLOP/s per device from the vendors' datasheets (no sparsity): (16-bit tensor cores,
 # TF32 tensor cores, plain FP32). Matched as whole words of torch.cuda.get_device_name(), most
 # specific first, so "L4" is not "L40S" and an H100 PCIe is not an H100 SXM. Pre-Ampere GPUs have no

@@ -30,19 +30,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .backends.accelerator import cpu_affinity
-from .backends.deepspeed import saved_meeting_the_barrier
-from .backends.deepspeed_universal import resharded
-from .batching import Indexed
-from .config import ConfigError, DataConfig, OptimConfig, TaskConfig, TrainConfig
-from .export import write_export
-from .guard import control_group, slow_barrier
-from .memory import bubble_line
-from .metrics import joined_rows
-from .modeling import batch_rows, masked_lm_loss, predictions
-from .optim import resume_schedule
-from .ranks import all_sum, broadcast, print0
-from .rng import load_rng_state, save_rng_state
+from ..batching import Indexed
+from ..config import ConfigError, DataConfig, OptimConfig, TaskConfig, TrainConfig
+from ..export import write_export
+from ..memory import bubble_line
+from ..metrics import joined_rows
+from ..modeling import batch_rows, masked_lm_loss, predictions
+from ..optim import resume_schedule
+from ..ranks import all_sum, broadcast, control_group, print0, slow_barrier
+from ..rng import load_rng_state, save_rng_state
+from .accelerator import cpu_affinity
+from .deepspeed import saved_meeting_the_barrier
+from .deepspeed_universal import resharded
 
 TIED_KEY = "embeddings"
 
@@ -201,8 +200,8 @@ class PipelineEngine:
         import deepspeed
         import deepspeed.comm as dist
 
-        from .backends.accelerator import set_kernels
-        from .backends.deepspeed import ask_cpuinfo_once
+        from .accelerator import set_kernels
+        from .deepspeed import ask_cpuinfo_once
         ask_cpuinfo_once()   # (what the pipeline cannot run was refused in preflight: backends/deepspeed.pipeline_conflicts)
         self.plan, self.output_dir = plan, output_dir
         self.train_cfg, self.data_cfg, self.optim_cfg, self.task, self.seed = train, data, optim, task, seed
@@ -258,7 +257,7 @@ class PipelineEngine:
         from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
         from torch.utils.data import BatchSampler, DataLoader
 
-        from .batching import loader_kwargs
+        from ..batching import loader_kwargs
         t = self.train_cfg
         ds_config = {k: v for k, v in self.plan.ds_config.items() if k != "pipeline"}
         ds_config.update(train_micro_batch_size_per_gpu=t.micro_batch_size, gradient_accumulation_steps=self.accum,
@@ -392,7 +391,7 @@ class PipelineEngine:
         return out_dir   # no barrier: the caller agrees on the write (train.finish)
 
     def final(self) -> dict:
-        from .perf import peak_memory_gb
+        from ..throughput import peak_memory_gb
         return {"peak_memory_gb_per_rank": peak_memory_gb(all_sum, self.rank, self.num_processes, self.device,
                                                           self.on_gpu),
                 "distributed_type": "DEEPSPEED_PIPELINE"}
