@@ -32,7 +32,7 @@ export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 .PHONY: help setup demo test bench prepare glue doctor env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
 
 help:  ## list the targets
-	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 	@echo "parallelism targets (accelerate_configs/backends.tsv):"
 	@$(MAKE) --no-print-directory modes
 
@@ -92,7 +92,7 @@ MODE_CONFIG = $(or $(CONFIG),$(if $(CPU),$(filter-out -,$(call col,$@,3))),$(cal
 
 .PHONY: modes $(MODES)
 modes:  ## list the parallelism targets: make <mode> [CPU=1] [RECIPE=...] [NPROC=n] [CONFIG=...]
-	@awk -F'\t' '!/^\#/ {printf "  make %-14s %s\n", $$1, $$2}' $(BACKENDS)
+	@awk -F'\t' '!/^\#/ {printf "  make %-18s %s\n", $$1, $$2}' $(BACKENDS)
 
 # A row whose cpu_config is gpu-only (FSDP) has no CPU launch: CPU=1 is one line and exit 2.
 GPU_ONLY_CHECK = $(if $(CPU),$(if $(filter gpu-only,$(call col,$@,3)),echo "config error: make $@ CPU=1: $@ runs on GPUs only (accelerate_configs/backends.tsv); on CPU processes use a DDP or ZeRO row (make modes)" >&2; exit 2,:),:)

@@ -28,6 +28,9 @@ from .activations import Shape, Workload, activation_bytes, workload_of
 GiB = 1024 ** 3
 
 
+MODELLED_KINDS = ("ddp", "fsdp", "deepspeed", "pipeline")   # LaunchPlan.kind's: plan_backend has a branch for each
+
+
 @dataclass(frozen=True)
 class States:
     """How a backend holds the model states, the planner's one input from the launch files: the engine kind
@@ -51,7 +54,9 @@ class States:
 
 def states_of(plan) -> States | None:
     """The States of a bert_recipes.backends.plan.LaunchPlan; None for what the planner does not model (ZeRO-0,
-    ZeRO-1 with offload)."""
+    ZeRO-1 with offload, a kind it does not know: its lines then say "not modelled")."""
+    if plan.kind not in MODELLED_KINDS:
+        return None
     deepspeed = plan.kind == "deepspeed"
     states = States(plan.kind, plan.zero_stage if plan.kind in ("deepspeed", "pipeline") else 0,
                     plan.offload if deepspeed else "none")
@@ -200,6 +205,8 @@ def plan_backend(states: States, shape: Shape, work: Workload, launch: Launch,
         shard = math.ceil(P / n)
         temporary = 2 * shape.layer_params * k + shape.layer_params * 4 + logits_grad
         return Plan(name, 4 * shard, 4 * shard, 8 * shard, activations, temporary)
+    if states.kind != "pipeline":
+        raise ValueError(f"the planner does not model the {states.kind} kind (memory.MODELLED_KINDS)")
     return _plan_pipeline(states, shape, work, launch, act, precision, k, logits_grad)
 
 

@@ -136,9 +136,10 @@ def test_each_row_is_what_its_files_say():
     """A row is data (accelerate_configs/backends.tsv): its launch files exist and are read by Accelerate's and
     DeepSpeed's own checks (LaunchPlan), and what the row claims holds of them: the CPU launch is the same backend
     as the GPU one, its variables are the kind's (DS_ACCELERATOR=cpu for DeepSpeed, never with ACCELERATE_USE_CPU,
-    which would turn it into DDP), gpu-only exactly for FSDP (Accelerate 1.15 runs it as DDP on CPU processes),
+    which would turn it into DDP), gpu-only exactly for the kinds no CPU launch runs (plan.GPU_ONLY_KINDS: FSDP,
+    which Accelerate 1.15 runs as DDP on CPU processes),
     and the nodes column is the YAML's num_machines. No row's name is read for any of it."""
-    from bert_recipes.backends.plan import backend_rows, plan_from_config_file
+    from bert_recipes.backends.plan import GPU_ONLY_KINDS, KINDS, backend_rows, plan_from_config_file
     rows = backend_rows()
     assert len(rows) >= 8 and len({row.config for row in rows.values()}) == len(rows)   # one launch config a row
     for name, row in rows.items():
@@ -146,9 +147,9 @@ def test_each_row_is_what_its_files_say():
         assert (REPO / row.config).is_file(), name
         if plan.deepspeed:
             assert plan.ds_config_path and plan.ds_config, name
-        assert plan.kind in ("ddp", "fsdp", "deepspeed", "pipeline") and plan.name, name
+        assert plan.kind in KINDS and plan.name, name
         assert row.nodes == plan.num_machines, (name, row.nodes, plan.num_machines)
-        assert row.gpu_only == (plan.kind == "fsdp"), name
+        assert row.gpu_only == (plan.kind in GPU_ONLY_KINDS), name
         if row.gpu_only:
             continue
         cpu = plan_from_config_file(REPO / row.cpu_config)

@@ -27,6 +27,11 @@ from ..config import ConfigError, first_line, load_json, load_yaml, read_text, y
 REPO = Path(__file__).resolve().parents[2]
 
 BACKENDS_TSV = REPO / "accelerate_configs" / "backends.tsv"
+# The engine kinds a launch can ask for (LaunchPlan.kind); a new kind: docs/changing.md.
+KINDS = ("ddp", "fsdp", "deepspeed", "pipeline")
+# The kinds no CPU launch runs: Accelerate 1.15 enables FSDP only on GPUs (on CPU processes it runs DDP under its
+# name); their rows say gpu-only in the table's cpu_config column (tests/test_consistency.py holds them to it).
+GPU_ONLY_KINDS = ("fsdp",)
 
 
 def _true(value: str | None) -> bool:
