@@ -90,7 +90,8 @@ def run_numbers(recipe: str, config: str | None, nproc: int | None, gpus: int, o
     from bert_recipes.config import load_config
     from bert_recipes.preflight import auto_workers
     cfg = load_config(recipe, overrides)
-    backend, launch, plan = read_launch_config(config, nproc or (gpus or None), None, cfg.train.mixed_precision)
+    backend, plan = read_launch_config(config, nproc or (gpus or None), None, cfg.train.mixed_precision)
+    launch = backend.launch
     nodes = max(1, plan.num_machines)
     ranks = max(1, launch.world // nodes)
     workers = cfg.data.num_workers
@@ -98,11 +99,11 @@ def run_numbers(recipe: str, config: str | None, nproc: int | None, gpus: int, o
         workers, _ = auto_workers(plan.on_gpu, {"LOCAL_WORLD_SIZE": str(ranks)})
     shape, _ = recipe_shape(cfg)
     micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
-    planned = plan_for(backend, shape, cfg, launch, micro, cfg.model.gradient_checkpointing)
+    planned = plan_for(backend, shape, cfg, micro, cfg.model.gradient_checkpointing)
     P = shape.params
     nvme = next((o["nvme_path"] for _, o in nvme_offloads(plan.ds_config if plan.deepspeed else {})
                  if o.get("nvme_path")), None)
-    return {"recipe": recipe, "config": config, "backend": backend, "nodes": nodes, "ranks": ranks,
+    return {"recipe": recipe, "config": config, "backend": backend.label, "nodes": nodes, "ranks": ranks,
             "workers": int(workers), "host_bytes_per_rank": 0 if nvme else planned.host,
             "deepspeed": bool(plan.deepspeed), "output_dir": cfg.run.output_dir,
             "disk_free": free_bytes(cfg.run.output_dir) or 0, "keep_last": cfg.checkpoint.keep_last,
