@@ -41,15 +41,18 @@ help:  ## list the targets
 # --upgrade replaces what an earlier setup put there, so a second run (or a changed pin) is the same install.
 # requirements-trackers.txt: the MLflow and W&B clients logging.trackers can name (41 packages, 196 MB, ~25 s), into .venv
 # itself (train.py imports them); kept apart from requirements.txt, which a run without them does not need.
-$(VENV)/.installed: requirements.txt requirements-references.txt requirements-trackers.txt
+# requirements-tests.txt: the tests' MLflow tracking server, into .venv/mlflow-server (not on the runs' path: they keep
+# the client), --no-deps (requirements-tests.txt says why).
+$(VENV)/.installed: requirements.txt requirements-references.txt requirements-trackers.txt requirements-tests.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet -r requirements-trackers.txt
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/references -r requirements-references.txt
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/mlflow-server -r requirements-tests.txt
 	touch $@
 
-setup: $(VENV)/.installed  ## create .venv and install requirements.txt, requirements-trackers.txt (MLflow, W&B) and requirements-references.txt (tests)
+setup: $(VENV)/.installed  ## create .venv and install requirements.txt, requirements-trackers.txt (MLflow, W&B), requirements-references.txt and requirements-tests.txt (tests)
 
 DEMO_MLM = --recipe recipes/tiny-mlm.yaml --run.output_dir=$(RUNS)/tiny-mlm --data.sample_dir=$(SAMPLE) \
 	--run.overwrite=true --logging.progress_bar=false $(ARGS)

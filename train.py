@@ -34,7 +34,8 @@ from bert_recipes.backends.deepspeed import deepspeed_norm_and_skip
 from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
 from bert_recipes.backends.pipeline import train_batch
 from bert_recipes.backends.plan import launch_plan_here
-from bert_recipes.checkpoint import pick_checkpoint, read_train_state, save_checkpoint
+from bert_recipes.checkpoint import (check_tokenizer_fits, pick_checkpoint, read_train_state, save_checkpoint,
+                                     tokenizer_record)
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
 from bert_recipes.corpora import same_files_on_every_rank
 from bert_recipes.data import prepare_data
@@ -52,9 +53,9 @@ from bert_recipes.modeling import build_model, check_sequence_length, count_para
 from bert_recipes.optim import (build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if,
                                 total_norm)
 from bert_recipes.preflight import preflight
-from bert_recipes.ranks import all_sum, broadcast, on_any_rank, on_nodes, print0
+from bert_recipes.ranks import all_sum, broadcast, on_any_rank, on_nodes, on_rank0, print0
 from bert_recipes.results import extra_evaluations, keep_best, restore_best, write_predictions
-from bert_recipes.run_dir import check_shared_output_dir, start_writing
+from bert_recipes.run_dir import check_shared_output_dir, holding_output_dir, start_writing
 from bert_recipes.signals import INTERRUPTION, Preemption, StopAgreement
 from bert_recipes.sync_audit import SyncAudit
 from bert_recipes.throughput import (DataLoaderWatch, Throughput, mfu_terms, profile_table, rank_extremes,
@@ -113,71 +114,79 @@ def main(cfg: Config) -> dict:
     # Building the engine starts the process group and compares the recipe with the plan.
     engine = build_engine(plan, output_dir, train=cfg.train, data=cfg.data, optim=cfg.optim, task=cfg.task,
                           seed=cfg.run.seed)
-    if auto_micro_batch:   # each rank sized it from its own GPU: a trial step confirms it there, all ranks agree
-        confirm_micro_batch(cfg, plan, engine)
-    same_files_on_every_rank(cfg.data, engine.control)   # each node resolved data.train_files on its own disk
-    set_seed(cfg.run.seed)
-    print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
-           f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
-    checkpoint, layout = starting_point(cfg, plan, engine, output_dir, notes)
+    # one run at a time in output_dir: rank 0 holds it (run_dir.OutputDirLock) until the run ends, however it ends
+    with holding_output_dir(output_dir, cfg.run.lock_wait_s, cfg.run.lock_stale_s, engine):
+        if auto_micro_batch:   # each rank sized it from its own GPU: a trial step confirms it there, all ranks agree
+            confirm_micro_batch(cfg, plan, engine)
+        same_files_on_every_rank(cfg.data, engine.control)   # each node resolved data.train_files on its own disk
+        set_seed(cfg.run.seed)
+        print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
+               f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
+        checkpoint, layout = starting_point(cfg, plan, engine, output_dir, notes)
+        trackers = Trackers(cfg.logging.trackers, engine.is_main, output_dir / "logs")
+        on_rank0(engine.is_main, broadcast, trackers.check)   # a store MLflow refuses, a server down: one line, now
 
-    # -------------------------------------------------------------------- data
-    INTERRUPTION.at("data preparation")
-    check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
-    label_names = cfg.task.label_names
-    tokenizer, data, collate, test_index = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path,
-                                                        cfg.run.seed, output_dir, engine.is_main, engine.prep_barrier,
-                                                        engine.fixed_length, broadcast,
-                                                        on_nodes(engine.is_local_main, engine.num_processes))
-    if cfg.task.label_names != label_names:   # text labels, sorted: now part of the run's config
-        config_yaml = to_yaml(cfg)
-        print0(f"[data] text labels, in sorted order: {dict(enumerate(cfg.task.label_names))} (set task.label_names "
-               "to choose the order)")
-    print0(f"[data] {len(data['train'])} train / {len(data['eval'])} eval sequences, max {cfg.data.max_seq_length} "
-           f"tokens, vocab {len(tokenizer)}")
+        # -------------------------------------------------------------------- data
+        INTERRUPTION.at("data preparation")
+        check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
+        label_names = cfg.task.label_names
+        tokenizer, data, collate, test_index = prepare_data(
+            cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path, cfg.run.seed, output_dir, engine.is_main,
+            engine.prep_barrier, engine.fixed_length, broadcast, on_nodes(engine.is_local_main, engine.num_processes))
+        if cfg.task.label_names != label_names:   # text labels, sorted: now part of the run's config
+            config_yaml = to_yaml(cfg)
+            print0(f"[data] text labels, in sorted order: {dict(enumerate(cfg.task.label_names))} (set task.label_names "
+                   "to choose the order)")
+        print0(f"[data] {len(data['train'])} train / {len(data['eval'])} eval sequences, max "
+               f"{cfg.data.max_seq_length} tokens, vocab {len(tokenizer)}")
+        tokenizer_used = tokenizer_record(tokenizer, cfg.tokenizer.name_or_path or cfg.model.name_or_path)
+        note = check_tokenizer_fits(checkpoint, tokenizer_used, output_dir)   # another one: one line, nothing written
+        if note:
+            print0(note)
 
-    # -------------------------------------------------------------------- model, optimizer, schedule
-    INTERRUPTION.at("building the model")
-    steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
-    module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
-    print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
-           f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
-           f"{describe_decay(cfg.optim, total_steps)}")
-    for warning in schedule_warnings(cfg, total_steps, slots=not plan.pipeline):
-        print0(warning)
+        # -------------------------------------------------------------------- model, optimizer, schedule
+        INTERRUPTION.at("building the model")
+        steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
+        module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
+        print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
+               f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
+               f"{describe_decay(cfg.optim, total_steps)}")
+        for warning in schedule_warnings(cfg, total_steps, slots=not plan.pipeline):
+            print0(warning)
 
-    # -------------------------------------------------------------------- prepare
-    engine.prepare(module, optimizer, scheduler, data, collate)
-    backend, memory_plan, flops_token, peak = describe_run(cfg, plan, engine, model_config)
-    baseline = None
-    if cfg.task.kind == "classification" and cfg.task.num_labels > 1:
-        baseline = majority_baseline(data["train"]["labels"], data["eval"]["labels"])
-    run = Run(cfg=cfg, engine=engine, output_dir=output_dir, config_yaml=config_yaml, tokenizer=tokenizer,
-              collate=collate, eval_dataset_size=len(data["eval"]), steps_per_epoch=steps_per_epoch,
-              total_steps=total_steps, stop_at=min(total_steps, cfg.train.halt_at_step or total_steps),
-              flops_per_token=flops_token, peak_flops=peak,
-              predicted_peak_gb=memory_plan.peak / 1e9 if memory_plan is not None else float("nan"),
-              export_bytes=4 * Shape.from_config(model_config, cfg.task.kind).params, backend=backend,
-              baseline=baseline, data=data, test_index=test_index,
-              trackers=Trackers(cfg.logging.trackers, engine.is_main, output_dir / "logs"))
+        # -------------------------------------------------------------------- prepare
+        engine.prepare(module, optimizer, scheduler, data, collate)
+        backend, memory_plan, flops_token, peak = describe_run(cfg, plan, engine, model_config)
+        baseline = None
+        if cfg.task.kind == "classification" and cfg.task.num_labels > 1:
+            baseline = majority_baseline(data["train"]["labels"], data["eval"]["labels"])
+        run = Run(cfg=cfg, engine=engine, output_dir=output_dir, config_yaml=config_yaml, tokenizer=tokenizer,
+                  collate=collate, eval_dataset_size=len(data["eval"]), steps_per_epoch=steps_per_epoch,
+                  total_steps=total_steps, stop_at=min(total_steps, cfg.train.halt_at_step or total_steps),
+                  flops_per_token=flops_token, peak_flops=peak,
+                  predicted_peak_gb=memory_plan.peak / 1e9 if memory_plan is not None else float("nan"),
+                  export_bytes=4 * Shape.from_config(model_config, cfg.task.kind).params, backend=backend,
+                  baseline=baseline, data=data, test_index=test_index,
+                  trackers=trackers)
 
-    # -------------------------------------------------------------------- resume
-    INTERRUPTION.at("loading the checkpoint" if checkpoint is not None else "starting the output directory")
-    if checkpoint is not None:
-        resume(run, checkpoint)
-    run.state["layout"], run.state["total_steps"] = layout, total_steps
-    start_writing(output_dir, config_yaml, tokenizer, cfg.run.overwrite, cfg.checkpoint.resume, engine, run.state)
-    # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
-    run.state["trackers"] = {**run.state.get("trackers", {}),
-                             **run.trackers.start(cfg.run.name, flat_dict(cfg), run.state.get("trackers"))}
+        # -------------------------------------------------------------------- resume
+        INTERRUPTION.at("loading the checkpoint" if checkpoint is not None else "starting the output directory")
+        if checkpoint is not None:
+            resume(run, checkpoint)
+        run.state["layout"], run.state["total_steps"], run.state["tokenizer"] = layout, total_steps, tokenizer_used
+        start_writing(output_dir, config_yaml, tokenizer, cfg.run.overwrite, cfg.checkpoint.resume, engine, run.state,
+                      resumed=checkpoint is not None)
+        # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
+        run.state["trackers"] = {**run.state.get("trackers", {}),
+                                 **run.trackers.start(cfg.run.name, flat_dict(cfg), run.state.get("trackers"))}
 
-    # -------------------------------------------------------------------- loop, save
-    run.preemption.install()   # from here a SIGTERM / SIGUSR1 means: finish the step, save, exit
-    try:
-        train(run)
-        return finish(run, time.perf_counter() - t_start)
-    finally:   # after a stop signal the process is about to exit: later signals stay ignored
-        run.preemption.uninstall(ignore_from_now=bool(run.stop_signal))
+        # -------------------------------------------------------------------- loop, save
+        run.preemption.install()   # from here a SIGTERM / SIGUSR1 means: finish the step, save, exit
+        try:
+            train(run)
+            return finish(run, time.perf_counter() - t_start)
+        finally:   # after a stop signal the process is about to exit: later signals stay ignored
+            run.preemption.uninstall(ignore_from_now=bool(run.stop_signal))
 
 
 def starting_point(cfg: Config, plan, engine: Engine, output_dir: Path, notes: list[str]) -> tuple:

@@ -215,6 +215,36 @@ def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
                           "(or this one, without --resume, with --run.overwrite=true)")
 
 
+def tokenizer_record(tokenizer, source: str | None) -> dict:
+    """What a checkpoint records of the tokenizer it was trained with (train_state.json): a fingerprint of its
+    vocabulary and ids, normaliser and special tokens (tokenizing.tokenizer_fingerprint), its size and where it
+    came from (tokenizer.name_or_path, the model's, or None: trained by the run)."""
+    from .tokenizing import tokenizer_fingerprint
+    return {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer), "source": source}
+
+
+def check_tokenizer_fits(checkpoint: Path | None, record: dict, output_dir: Path) -> str | None:
+    """A resume's tokenizer against the one its checkpoint was trained with, before anything is written: another
+    one (the same size with two ids swapped is enough: the ids then mean other words) is one line naming both and
+    the ways out. -> a note for a checkpoint that records none (saved before fingerprints were), else None."""
+    if checkpoint is None:
+        return None
+    saved = read_train_state(checkpoint).get("tokenizer")
+    if saved is None:
+        return (f"[resume] {Path(checkpoint).name} records no tokenizer fingerprint (saved before checkpoints did): "
+                "this run's tokenizer is not checked against the one it was trained with")
+    if saved["fingerprint"] == record["fingerprint"]:
+        return None
+    shown = lambda r: (f"{r['source'] or 'trained by the run'}, {r['vocab_size']} tokens, "   # noqa: E731
+                       f"fingerprint {r['fingerprint'][:12]}")
+    own = Path(output_dir) / "tokenizer"
+    way = (f"resume with the run's own saved tokenizer (--tokenizer.name_or_path={own}), or "
+           if (own / "tokenizer.json").is_file() else "resume with the tokenizer it was trained with, or ")
+    raise ConfigError(f"tokenizer: {checkpoint} was trained with another tokenizer ({shown(saved)}) than this run's "
+                      f"({shown(record)}): its token ids would mean other words; {way}start a new run in another "
+                      "run.output_dir")
+
+
 def resumed_checkpoint(output_dir: str | Path, resume: str | None) -> Path | None:
     """The checkpoint a resume would start from, as preflight sees it (auto: the latest complete one)."""
     if resume == "auto":

@@ -27,6 +27,9 @@ FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", "
 # pages: a compressed parquet file is refused.
 COMPRESSIONS = {".gz": ("gzip", "gzip"), ".bz2": ("bzip2", "bz2"), ".xz": ("xz", "lzma"), ".zst": ("zstd", "zstandard")}
 FILE_KEYS = ("data.train_files", "data.validation_files")
+# Names a download in progress has (huggingface_hub: .incomplete; wget/aria2 and browsers: .partial, .part,
+# .crdownload, .aria2; many copy tools: .tmp): such a file is read half-written, or not at all, when the run starts.
+IN_PROGRESS = (".incomplete", ".partial", ".part", ".crdownload", ".aria2", ".tmp")
 
 
 def kind_of(path: str) -> tuple[str | None, str | None]:
@@ -81,6 +84,11 @@ def check_kinds(files: list[str]) -> str:
     installation can decompress. -> the builder."""
     by_kind: dict[str, list[str]] = {}
     for f in files:
+        in_progress = next((s for s in IN_PROGRESS if f.lower().endswith(s)), None)
+        if in_progress:
+            raise ConfigError(f"data file {f} looks like a download in progress (its name ends in {in_progress}): "
+                              "wait until the download finishes (it is renamed then) and run again, or remove the "
+                              "file")
         builder, compression = kind_of(f)
         if builder is None:
             raise ConfigError(f"data file {f}: use one of the formats {sorted(FORMATS)} (all the same), plain or "

@@ -333,9 +333,9 @@ def assert_same_weights(a, b, tol: float) -> None:
         torch.testing.assert_close(wb[k], wa[k], atol=tol, rtol=0, msg=k)
 
 
-def run_cli_in_process(argv: list[str], capsys) -> tuple[int, str]:
+def run_cli_in_process(argv: list[str], capsys, stdout_too: bool = False) -> tuple[int, str]:
     """train.py's command line (train.run_cli, what `python train.py` calls) in this process, Accelerate's
-    process-wide state reset before and after. -> (exit code, stderr)."""
+    process-wide state reset before and after. -> (exit code, stderr; stdout then stderr with stdout_too)."""
     import train
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(True)
@@ -345,7 +345,8 @@ def run_cli_in_process(argv: list[str], capsys) -> tuple[int, str]:
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    return code, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return code, (captured.out + captured.err) if stdout_too else captured.err
 
 
 def refused_in_process(argv: list[str], watched: Path, capsys) -> str:

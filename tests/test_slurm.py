@@ -234,9 +234,10 @@ def test_nodes_that_see_different_shards_are_one_line(cluster, tmp_path, sample_
     assert not (tmp_path / "run").exists()
 
 
-def lose_node(cluster: Path, tmp_path: Path, sample_dir, tokenizer, how, gpus: int, **over) -> tuple[Job, float]:
-    """slurm/ddp.sbatch with --nodes=1-2 (--spread-job: both nodes while both are up), node n2 lost once a
-    periodic checkpoint exists; the seconds until node n1's ranks were gone."""
+def lose_node(cluster: Path, tmp_path: Path, sample_dir, tokenizer, how, gpus: int, node: str = "n2",
+              **over) -> tuple[Job, float]:
+    """slurm/ddp.sbatch with --nodes=1-2 (--spread-job: both nodes while both are up), `node` lost once a
+    periodic checkpoint exists; the seconds until the first run was over (the controller requeued it)."""
     args = tiny(tmp_path / "run", cluster / "local" / tmp_path.name, sample_dir, tokenizer,
                 **{"checkpoint.save_every": 4, **over})
     job = Job(cluster, tmp_path, "slurm/ddp.sbatch", args, {"ACCELERATE_USE_CPU": "1", "GPUS_PER_NODE": str(gpus)},
@@ -245,7 +246,7 @@ def lose_node(cluster: Path, tmp_path: Path, sample_dir, tokenizer, how, gpus: i
     job.wait("a checkpoint", lambda j: j.steps() >= 5 and any(
         not p.name.endswith(".partial") for p in (tmp_path / "run/checkpoints").glob("step_*")))
     assert job.info()["NodeList"] == "n[1-2]"
-    how(cluster, "n2")
+    how(cluster, node)
     lost = time.time()
     job.wait("end of the first run", lambda j: j.info().get("Restarts") == "1", timeout=120)
     return job, time.time() - lost
@@ -295,3 +296,39 @@ def test_node_silenced_then_the_job_cancelled(cluster, tmp_path, sample_dir, sha
         slurm_cluster.revive_node(cluster, "n2")
     time.sleep(2)
     assert job.info()["JobState"] == "CANCELLED"
+
+
+def test_a_requeue_waits_for_the_old_allocations_hold_on_the_output_dir(cluster, tmp_path, sample_dir,
+                                                                        shared_tokenizer):
+    """Node n1, where rank 0 runs, silenced: its ranks live on (waiting in a collective, train.collective_timeout_s=180),
+    and rank 0 still holds run.lock (its heartbeat thread renews it) while the controller, which no longer hears n1,
+    requeues the job onto n2. The requeued job's rank 0 (SLURM_RESTART_COUNT=1: it waits, run.lock_wait_s's default)
+    says whom it waits for and does not start. Then n1's processes are killed: the hold's heartbeat stops, and once it
+    is older than run.lock_stale_s (30 s here) the requeued job takes it over with one line and resumes. Never two
+    runs writing one directory at once."""
+    job, took = lose_node(cluster, tmp_path, sample_dir, shared_tokenizer, slurm_cluster.silence_node, 1, node="n1",
+                          **{"train.max_steps": 100000, "train.collective_timeout_s": 180, "run.lock_stale_s": 30})
+    try:
+        assert took < 60, took
+        job.wait("the requeued job waiting", lambda j: "[lock] run.output_dir=" in j.log(), timeout=120)
+        waiting = next(line for line in job.log().splitlines() if line.startswith("[lock] run.output_dir="))
+        assert "is held by pid" in waiting and "on host n1 (SLURM job" in waiting, waiting
+        assert "waiting up to 300s for it to end" in waiting
+        time.sleep(5)
+        assert "[resume] the world size changed" not in job.log(), job.log()[-2000:]   # it waits: no second writer
+        slurm_cluster.kill_node(cluster, "n1")   # the old allocation ends: its heartbeat stops
+        job.wait("the resumed run", lambda j: "[resume] the world size changed, 2 -> 1 processes" in j.log()
+                 and j.steps() > 0, timeout=150)
+        log = job.log()
+        taken = [line for line in log.splitlines() if "took over the hold of pid" in line]
+        assert len(taken) == 1 and "on host n1" in taken[0] and "no heartbeat from n1 for" in taken[0] \
+            and "(run.lock_stale_s=30)" in taken[0], log[-3000:]
+        assert log.index(waiting) < log.index(taken[0]) < log.index("[resume] the world size changed, 2 -> 1")
+        assert job.info()["NodeList"] == "n2"
+        holder = json.loads((tmp_path / "run" / "run.lock").read_text())
+        assert holder["host"] == "n2" and holder["job"]["SLURM_RESTART_COUNT"] == "1", holder
+        job.scontrol("scancel", job.id)
+        assert job.done(60)["JobState"] == "CANCELLED"
+    finally:
+        slurm_cluster.kill_node(cluster, "n1")
+        slurm_cluster.revive_node(cluster, "n1")

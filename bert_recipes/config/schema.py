@@ -82,6 +82,14 @@ class RunConfig:
     overwrite: bool = False
     """A new run (no checkpoint.resume) in an output_dir that already holds checkpoints is refused;
     true deletes them (and the old model/, metrics.json) and starts over."""
+    lock_wait_s: Optional[float] = ranged(None, low=0, hint="seconds")
+    """How long this run waits for another live run's hold on output_dir (its run.lock) before it stops with one
+    line naming the holder. None: no wait, except under a SLURM requeue (SLURM_RESTART_COUNT > 0): 300, the old
+    allocation's time to save its checkpoint and leave (bert_recipes/run_dir.py)."""
+    lock_stale_s: float = ranged(120.0, low=30, hint="seconds: at least 3 of the lock's 10-second heartbeats")
+    """A hold from another host whose heartbeat (renewed every 10 s from a thread, data preparation included) is
+    older than this is stale: its holder is gone (a lost node), and this run takes it over with one line. On the
+    same host the holder's process is asked directly."""
 
 
 @dataclass
