@@ -140,7 +140,8 @@ def main(cfg: Config) -> dict:
         print0(f"[data] {len(data['train'])} train / {len(data['eval'])} eval sequences, max "
                f"{cfg.data.max_seq_length} tokens, vocab {len(tokenizer)}")
         tokenizer_used = tokenizer_record(tokenizer, cfg.tokenizer.name_or_path or cfg.model.name_or_path)
-        note = check_tokenizer_fits(checkpoint, tokenizer_used, output_dir)   # another one: one line, nothing written
+        note = on_rank0(engine.is_main, broadcast,   # another tokenizer: one line on every rank, nothing written
+                        lambda: check_tokenizer_fits(checkpoint, tokenizer_used, output_dir))
         if note:
             print0(note)
 

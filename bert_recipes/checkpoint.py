@@ -217,10 +217,10 @@ def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
 
 def tokenizer_record(tokenizer, source: str | None) -> dict:
     """What a checkpoint records of the tokenizer it was trained with (train_state.json): a fingerprint of its
-    vocabulary and ids, normaliser and special tokens (tokenizing.tokenizer_fingerprint), its size and where it
+    vocabulary and ids, normaliser and special tokens (tokenizing.vocabulary_fingerprint), its size and where it
     came from (tokenizer.name_or_path, the model's, or None: trained by the run)."""
-    from .tokenizing import tokenizer_fingerprint
-    return {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer), "source": source}
+    from .tokenizing import vocabulary_fingerprint
+    return {"fingerprint": vocabulary_fingerprint(tokenizer), "vocab_size": len(tokenizer), "source": source}
 
 
 def check_tokenizer_fits(checkpoint: Path | None, record: dict, output_dir: Path) -> str | None:

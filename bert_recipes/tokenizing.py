@@ -23,6 +23,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps([content, type(tokenizer).__name__, extra], sort_keys=True).encode()).hexdigest()
 
 
+def vocabulary_fingerprint(tokenizer) -> str:
+    """What a model's token ids mean: a hash of the fast tokenizer's vocabulary and ids, normaliser, pre-tokenizer,
+    post-processor and added (special) tokens, the same in every process and after any call: its truncation and
+    padding settings, which the last tokenizing call left in it, are not part of it (checkpoint.tokenizer_record)."""
+    content = json.loads(tokenizer.backend_tokenizer.to_str())
+    kept = {k: content.get(k) for k in ("model", "normalizer", "pre_tokenizer", "post_processor", "added_tokens")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def _map_splits(dataset_dict, fn, key: list, desc: str, num_proc, remove_columns):
     """datasets.map on each split, with a fingerprint from (split data, key) alone, so the cache is
     found by every rank and by the next run."""

@@ -227,6 +227,17 @@ def kill(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
     proc.wait(timeout=120)
 
 
+def kill_every_run_into(out: Path) -> None:
+    """SIGKILL every process training into `out`, whatever a failed assertion left running: under the suite's warm
+    start a killed `python train.py` leaves its twin (tests/warm/), which must not train on for hours."""
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if f"--run.output_dir={out}" in (process.info["cmdline"] or []):
+                process.kill()
+        except psutil.Error:
+            pass
+
+
 def test_a_second_run_into_a_held_output_dir_is_one_line_and_writes_nothing(tmp_path, sample_dir, datasets_cache,
                                                                              shared_tokenizer):
     """A run trains (and has saved step 4); a second one, launched on 2 processes with --resume auto into the same
@@ -257,6 +268,7 @@ def test_a_second_run_into_a_held_output_dir_is_one_line_and_writes_nothing(tmp_
         assert snapshot(watched) == before and first.poll() is None
     finally:
         kill(first, signal.SIGTERM)   # it saves and leaves, releasing its hold
+        kill_every_run_into(out)
     assert first.returncode == 143, log.read_text()[-2000:]
     assert not (out / "run.lock").exists()
 
@@ -268,10 +280,13 @@ def test_a_hold_whose_holder_is_gone_is_taken_over_with_one_line(tmp_path, sampl
     refused while it is fresh."""
     out, log = tmp_path / "run", tmp_path / "first.log"
     first = start_run(out, sample_dir, datasets_cache, shared_tokenizer, log)
-    wait_for("checkpoint at step 50", lambda: (out / STEP_50).exists(), log)
-    pid = json.loads((out / "run.lock").read_text())["pid"]   # the training process (the warm start: tests/warm/)
-    os.kill(pid, signal.SIGKILL)
-    first.wait(timeout=60)
+    try:
+        wait_for("checkpoint at step 50", lambda: (out / STEP_50).exists(), log)
+        pid = json.loads((out / "run.lock").read_text())["pid"]   # the training process (the warm start: tests/warm/)
+        os.kill(pid, signal.SIGKILL)
+        first.wait(timeout=60)
+    finally:
+        kill_every_run_into(out)
     assert json.loads((out / "run.lock").read_text())["pid"] == pid   # left behind
     latest = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*[0-9]"))
     done = {"train.max_steps": latest + 4, "checkpoint.resume": "auto", "tokenizer.name_or_path": shared_tokenizer,
@@ -322,6 +337,7 @@ def test_a_run_waits_for_the_holder_when_asked_and_says_so(tmp_path, sample_dir,
         kill(first, signal.SIGTERM)
         if second is not None:
             kill(second, signal.SIGTERM)
+        kill_every_run_into(out)
     assert second.returncode == 143 and not (out / "run.lock").exists(), second_log.read_text()[-2000:]
 
 
