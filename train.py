@@ -222,7 +222,8 @@ def resume(run: Run, checkpoint) -> None:
 def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: int):
     """The model (this rank's stage under the pipeline), its optimizer and the schedule over
     `total_steps`. -> (module, optimizer, scheduler, the model's config)."""
-    model = build_model(cfg.model, cfg.task, tokenizer, packed_dropout=plan.packed_dropout)
+    model = build_model(cfg.model, cfg.task, tokenizer, packed_dropout=plan.packed_dropout,
+                        attention_path=plan.attention_path)
     model_config = model.config
     print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
     if getattr(model, "loading_report", None):

@@ -67,6 +67,7 @@ class MLMCollator:
         self.fixed_length = fixed_length
         self.bins: list[int] | None = None   # data.length_bins, set by the engine (fit_length_bins)
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.unpad, self.attention_path = False, None   # data.unpad and the plan's path, set by the engine
         self.vocab_size = len(tokenizer)
         self.whole_word = whole_word
         if whole_word:   # token id -> is it a "##" continuation piece?
@@ -153,7 +154,7 @@ class MLMCollator:
             if slots.shape[1] < k:
                 slots = torch.cat([slots, torch.full((len(slots), k - slots.shape[1]), n)], 1)
             batch["masked_positions"] = torch.where(slots < n, slots, 0)
-        return batch
+        return documents_apart(batch, self.unpad, self.attention_path)
 
 
 class ClassificationCollator:
@@ -166,9 +167,45 @@ class ClassificationCollator:
         self.fixed_length = fixed_length
         self.bins: list[int] | None = None   # data.length_bins, set by the engine (fit_length_bins)
         self.epoch = 0
+        self.unpad, self.attention_path = False, None   # data.unpad and the plan's path, set by the engine
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length, self.bins)
+        batch = _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length, self.bins)
+        return documents_apart(batch, self.unpad, self.attention_path)
+
+
+def documents_apart(batch: dict, unpad: bool, path: str | None) -> dict:
+    """A batch whose documents attend apart (bert_recipes/attention.py): data.unpad's padded batch as one row of its
+    real tokens (unpadded); a packed batch with document ids as it is. On the varlen path it also carries the
+    documents' cumulative lengths, computed here on the host, so the step never reads the device for them."""
+    if unpad:
+        batch = unpadded(batch)
+    if path == "varlen" and "document_ids" in batch:
+        from .attention import cu_seqlens
+        batch["cu_seqlens"], batch["max_seqlen"] = cu_seqlens(batch["document_ids"])
+    return batch
+
+
+def unpadded(batch: dict) -> dict:
+    """A padded batch (an attention_mask) as one row of its real tokens (data.unpad): input_ids and token_type_ids
+    (1, T), each token's sequence (document_ids), each sequence's first position in the row (sequence_starts: the
+    classifier pools there); MLM labels (1, T), and its K slots (masked_positions) moved to the row, an unused slot
+    onto its sequence's own first token ([CLS], never a label). A classification's labels stay one a sequence."""
+    # rows of one length come without a mask (_collate): every token is real
+    real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(batch["input_ids"], dtype=torch.bool)
+    lengths = real.sum(1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    out = {k: batch[k][real].unsqueeze(0) for k in ("input_ids", "token_type_ids") if k in batch}
+    out["document_ids"] = torch.repeat_interleave(torch.arange(len(lengths)), lengths).unsqueeze(0)
+    out["sequence_starts"] = starts
+    labels = batch.get("labels")
+    if labels is not None and labels.dim() == 2:   # MLM: a label a token
+        out["labels"] = labels[real].unsqueeze(0)
+        if "masked_positions" in batch:
+            out["masked_positions"] = batch["masked_positions"] + starts[:, None]
+    elif labels is not None:
+        out["labels"] = labels
+    return out
 
 
 def _collate(examples: list[dict], pad_id: int, pad_to_multiple_of: int | None, fixed_length: int | None,

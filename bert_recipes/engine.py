@@ -51,6 +51,14 @@ def eager_under_compile(compiled: bool):
     return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
+def padded_copy(collate):
+    """The collator as evaluation and prediction use it: a copy (its own epoch), never unpadded (data.unpad is for
+    training: evaluation's rows, metrics and predictions are per sequence)."""
+    other = copy.copy(collate)
+    other.unpad = False
+    return other
+
+
 class AccelerateEngine:
     """DDP, ZeRO-1/2/3 (+ CPU/NVMe offload) and FSDP2: whichever the launch config names.
     Creating it starts the process group and checks the recipe against the launch config."""
@@ -105,6 +113,8 @@ class AccelerateEngine:
         t, d = self.train_cfg, self.data_cfg
         if not self.on_gpu:   # lengths rounded up to a multiple of 8 feed tensor cores; on a CPU it is only padding
             collate.pad_to_multiple_of = None
+        # documents that attend apart (data.document_mask, data.unpad): the plan's path; evaluation runs padded
+        collate.unpad, collate.attention_path = d.unpad, self.plan.attention_path
         kwargs = loader_kwargs(d, collate, self.seed, pin=self.plan.pin_memory)
         lengths = fit_length_bins(collate, data, d.length_bins if self.plan.padded else 0, print0)
         if d.group_by_length:   # batches of similar length (data.LengthGroupedBatches)
@@ -116,7 +126,7 @@ class AccelerateEngine:
             train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, shuffle=True,
                                       drop_last=True, **kwargs)
         eval_loader = DataLoader(Indexed(data["eval"]), batch_size=t.eval_batch_size or t.micro_batch_size,
-                                 **{**kwargs, "collate_fn": copy.copy(collate)})   # masks of epoch 0, always
+                                 **{**kwargs, "collate_fn": padded_copy(collate)})   # masks of epoch 0, always
         # The schedule wraps the torch optimizer itself, before prepare: ZeRO keeps that optimizer
         # (and its param_groups) inside its own. A DeepSpeed JSON may own both instead.
         optimizer, scheduler, owned = deepspeed_owned(
@@ -156,7 +166,7 @@ class AccelerateEngine:
         """A prepared loader over another split (extra evaluations, test predictions)."""
         from torch.utils.data import DataLoader
         t = self.train_cfg
-        kwargs = loader_kwargs(self.data_cfg, copy.copy(self.collate), self.seed, pin=self.plan.pin_memory)
+        kwargs = loader_kwargs(self.data_cfg, padded_copy(self.collate), self.seed, pin=self.plan.pin_memory)
         kwargs["collate_fn"].epoch = 0
         return self.accelerator.prepare(DataLoader(Indexed(dataset), batch_size=t.eval_batch_size or t.micro_batch_size,
                                                    **kwargs))

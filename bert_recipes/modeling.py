@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import BertForMaskedLM
-from transformers.modeling_outputs import MaskedLMOutput
+from transformers import BertForMaskedLM, BertForSequenceClassification
+from transformers.modeling_outputs import MaskedLMOutput, SequenceClassifierOutput
 
 from .config import ConfigError, ModelConfig, TaskConfig, first_line
 
@@ -86,13 +86,26 @@ class RecipeBertForMaskedLM(BertForMaskedLM):
         predictions = self.cls.predictions
         return predictions.decoder(predictions.transform(hidden)) + predictions.bias
 
+    attention_path: str | None = None   # attention.use_path: how a batch's documents attend within themselves
+
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, masked_positions=None, **kwargs):
+                inputs_embeds=None, labels=None, masked_positions=None, document_ids=None, cu_seqlens=None,
+                max_seqlen=None, sequence_starts=None, **kwargs):
+        if document_ids is not None:   # a packed row of documents, or a batch run unpadded (bert_recipes/attention.py)
+            kwargs.update(document_kwargs(self, document_ids, cu_seqlens, max_seqlen))
+            attention_mask, position_ids = kwargs.pop("attention_mask", None), kwargs.pop("position_ids")
         hidden = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                            position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True,
                            **kwargs).last_hidden_state
         if labels is None:
             return MaskedLMOutput(logits=self.head(hidden))
+        if masked_positions is not None and sequence_starts is not None:
+            # unpadded (data.unpad): one row of every sequence; each sequence's K slots index that row, an unused
+            # slot its own first token ([CLS], never a label): the padded path's tokens, loss and mean
+            logits = self.head(hidden[0][masked_positions])           # (batch, K, vocab): an index tensor, no mask
+            targets = labels[0][masked_positions]
+            return MaskedLMOutput(loss=masked_lm_loss(logits.view(-1, logits.size(-1)), targets.view(-1)),
+                                  logits=logits)
         if masked_positions is not None:
             # Static shapes (data.max_predictions_per_seq): the collator gives K positions per
             # sequence, the masked ones first, then unused slots pointing at position 0, which may be
@@ -118,6 +131,46 @@ class RecipeBertForMaskedLM(BertForMaskedLM):
             config = json.loads(config_file.read_text())
             config["architectures"] = ["BertForMaskedLM"]
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+class RecipeBertForSequenceClassification(BertForSequenceClassification):
+    """BertForSequenceClassification that also takes a batch run unpadded (data.unpad): one row holding every
+    sequence's real tokens, each attending within itself with its own positions (bert_recipes/attention.py); the
+    pooled output is each sequence's first token's, as the padded path pools. The weights, the padded path and the
+    export are BertForSequenceClassification's."""
+    attention_path: str | None = None
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                document_ids=None, cu_seqlens=None, max_seqlen=None, sequence_starts=None, **kwargs):
+        if document_ids is None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                   position_ids=position_ids, labels=labels, **kwargs)
+        extra = document_kwargs(self, document_ids, cu_seqlens, max_seqlen)
+        hidden = self.bert(input_ids, token_type_ids=token_type_ids, return_dict=True, **extra).last_hidden_state
+        pooled = self.bert.pooler.activation(self.bert.pooler.dense(hidden[0, sequence_starts]))
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            loss = (F.mse_loss(logits.squeeze(-1).float(), labels.float()) if self.num_labels == 1
+                    else F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1)))
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        config_file = Path(save_directory) / "config.json"
+        if config_file.exists():   # exported as what it is: a BertForSequenceClassification
+            config = json.loads(config_file.read_text())
+            config["architectures"] = ["BertForSequenceClassification"]
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def document_kwargs(model, document_ids, cu_seqlens, max_seqlen) -> dict:
+    """BertModel's keyword arguments for a batch with document ids, by the model's attention path (the run's plan
+    set it: attention.use_path); the mask path's additive mask in the embeddings' dtype (eager attention)."""
+    from .attention import document_attention
+    path = model.attention_path or "mask"
+    dtype = model.bert.embeddings.word_embeddings.weight.dtype
+    return document_attention(path, document_ids, model.config._attn_implementation, dtype, cu_seqlens, max_seqlen)
 
 
 def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_token_id: int | None):
@@ -174,7 +227,8 @@ def load_pretrained(model_cfg: ModelConfig, task: TaskConfig, config):
 
     from transformers import AutoModelForSequenceClassification
     name = model_cfg.name_or_path
-    auto = RecipeBertForMaskedLM if task.kind == "mlm" else AutoModelForSequenceClassification
+    auto = (RecipeBertForMaskedLM if task.kind == "mlm" else RecipeBertForSequenceClassification
+            if config.model_type == "bert" else AutoModelForSequenceClassification)
     try:
         with contextlib.redirect_stderr(io.StringIO()), _transformers_quiet():   # our own report instead
             model, info = auto.from_pretrained(name, config=config, trust_remote_code=model_cfg.trust_remote_code,
@@ -226,12 +280,12 @@ def _transformers_quiet():
     return quiet()
 
 
-def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None, packed_dropout: bool = False):
+def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None, packed_dropout: bool = False,
+                attention_path: str | None = None):
     """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig
     (`config`, when given, instead of one derived from the tokenizer), with the recipe's attention
-    (bert_recipes.dropout; packed_dropout: config.packed_dropout_here's answer for this run)."""
-    from transformers import BertForSequenceClassification
-
+    (bert_recipes.dropout; packed_dropout: config.packed_dropout_here's answer for this run) and, for document masks
+    or unpadded batches, the plan's attention path (attention.use_path)."""
     if config is None:
         config = model_config(model_cfg, task, len(tokenizer), tokenizer.pad_token_id)
     if model_cfg.name_or_path:
@@ -241,11 +295,17 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
                               f"{model_cfg.name_or_path} has vocab_size {model.config.vocab_size}: they do not belong "
                               "together; use the model's own tokenizer (leave tokenizer.name_or_path unset)")
     else:
-        model = (RecipeBertForMaskedLM if task.kind == "mlm" else BertForSequenceClassification)(config)
+        model = (RecipeBertForMaskedLM if task.kind == "mlm" else RecipeBertForSequenceClassification)(config)
     if task.kind == "mlm":
         model.sparse_head = model_cfg.sparse_mlm_head
+    from .attention import use_path
     from .dropout import use_recipe_attention
     use_recipe_attention(model, packed_dropout)
+    if attention_path is not None:
+        if not hasattr(model, "attention_path"):
+            raise ConfigError(f"data.document_mask and data.unpad need a BERT model; model.name_or_path="
+                              f"{model_cfg.name_or_path} is a {model.config.model_type} model: set them false")
+        use_path(model, attention_path)
     if model_cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -206,6 +206,10 @@ def tokenizer_identity(name: str | None) -> str | None:
     return "sha256:" + digest.hexdigest()[:32]
 
 
+# Keys of the prepared signature that came later, with what data prepared before them holds
+SIGNATURE_BEFORE = {"data.document_mask": False}
+
+
 def prepared_signature(data: DataConfig, task: TaskConfig, tok: TokenizerConfig, model_name_or_path: str | None) -> dict:
     """The settings that decide a run's tokens: prepared data is used only by a recipe that agrees."""
     named = tok.name_or_path or model_name_or_path
@@ -214,7 +218,8 @@ def prepared_signature(data: DataConfig, task: TaskConfig, tok: TokenizerConfig,
             "tokenizer": tokenizer_identity(named),
             "tokenizer.vocab_size": tok.vocab_size if not named else None,
             **{f"data.{k}": getattr(data, k) for k in (
-                "max_seq_length", "packing", "text_column", "text_pair_column", "label_column", "train_split", "eval_split",
+                "max_seq_length", "packing", "document_mask", "text_column", "text_pair_column", "label_column",
+                "train_split", "eval_split",
                 "extra_eval_splits", "test_splits", "max_train_samples", "max_eval_samples",
                 "validation_split_percentage")}}
 
@@ -240,9 +245,9 @@ def load_prepared(data: DataConfig, task: TaskConfig, tok: TokenizerConfig, mode
     meta = json.loads((root / PREPARED_META).read_text())
     expected = prepared_signature(data, task, tok, model_name_or_path)
     given = tok.name_or_path or model_name_or_path   # data prepared before tokenizer_identity: a path
-    differ = [f"{k}: prepared {meta['signature'].get(k)!r}, this run {v!r}" for k, v in expected.items()
-              if k != "data.source" and meta["signature"].get(k) != v
-              and not (k == "tokenizer" and meta["signature"].get(k) == given)]
+    prepared = {**SIGNATURE_BEFORE, **meta["signature"]}   # a key added since: the value of the data it was written for
+    differ = [f"{k}: prepared {prepared.get(k)!r}, this run {v!r}" for k, v in expected.items()
+              if k != "data.source" and prepared.get(k) != v and not (k == "tokenizer" and prepared.get(k) == given)]
     if differ:
         raise ConfigError(f"data.prepared_dir={root} was prepared with other settings ({'; '.join(differ)}): prepare "
                           "it again with this recipe")

@@ -73,7 +73,7 @@ class Throughput:
             if self.counts_data:
                 ids = batch["input_ids"]
                 self.shapes.add(tuple(ids.shape))
-                self.samples += ids.shape[0]
+                self.samples += len(batch["sequence_starts"]) if "sequence_starts" in batch else ids.shape[0]
                 self.tokens_padded += ids.numel()
                 self.tokens_real = self.tokens_real + (batch["attention_mask"].sum() if "attention_mask" in batch
                                                        else ids.numel())

@@ -62,14 +62,23 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: li
         key = ["mlm", tok_fp, seq, data.packing, data.text_column]
         tokenized = _map_splits(raw, encode, key, "tokenizing", data.num_proc, columns)
         if data.packing:
-            def group(batch):
-                # concatenate every sequence, then cut into full blocks of max_seq_length; the tail is dropped
-                joined = {k: list(itertools.chain.from_iterable(batch[k])) for k in batch}
-                n = (len(joined["input_ids"]) // seq) * seq
-                return {k: [v[i:i + seq] for i in range(0, n, seq)] for k, v in joined.items()}
+            documents = data.document_mask
 
-            tokenized = _map_splits(tokenized, group, key + ["group"], f"packing into {seq}-token blocks",
-                                    data.num_proc, None)
+            def group(batch):
+                # concatenate every sequence, then cut into full blocks of max_seq_length; the tail is dropped.
+                # data.document_mask: each token's document within its block too (document_ids: 0, 0, ..., 1, 1, ...;
+                # a document cut at a block's end goes on in the next block as that block's document 0)
+                joined = {k: list(itertools.chain.from_iterable(batch[k])) for k in batch}
+                if documents:
+                    joined["document_ids"] = [d for d, ids in enumerate(batch["input_ids"]) for _ in ids]
+                n = (len(joined["input_ids"]) // seq) * seq
+                blocks = {k: [v[i:i + seq] for i in range(0, n, seq)] for k, v in joined.items()}
+                if documents:
+                    blocks["document_ids"] = [[d - block[0] for d in block] for block in blocks["document_ids"]]
+                return blocks
+
+            tokenized = _map_splits(tokenized, group, key + ["group"] + (["documents"] if documents else []),
+                                    f"packing into {seq}-token blocks", data.num_proc, None)
         return tokenized
 
     regression = task.num_labels == 1

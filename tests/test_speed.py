@@ -359,7 +359,8 @@ def test_bench_smoke_writes_the_table_and_the_chart(tmp_path, sample_dir):
     rows, the compile rows) run in tests/test_gpu_session.py's rehearsal, and train.compile has its own
     tests above."""
     out = tmp_path / "bench"
-    rows = "mlm: train.py|mlm: train.py, packed dropout|classify: Trainer"
+    rows = ("mlm: train.py|mlm: train.py, packed dropout|classify: Trainer|classify: train.py|classify: train.py, "
+            "unpadded|mlm: train.py, documents apart")
     proc = subprocess.run([sys.executable, "tools/bench.py", "--size", "tiny", "--steps", "20", "--classify-steps", "20",
                            "--warmup", "10", "--repeats", "1", "--precisions", "no", "--out", str(out), "--profile",
                            "--rows", rows, "--quality-seeds", "0",   # quality: tests/test_references.py
@@ -376,7 +377,13 @@ def test_bench_smoke_writes_the_table_and_the_chart(tmp_path, sample_dir):
             assert row[key] == row[key] and row[key] >= 0, (key, row)
     ours = next(r for r in result["rows"] if r["name"] == "mlm: train.py")
     assert ours["mfu_anchors"] > ours["mfu_ours"] and ours["shapes"] == 1   # the dense head counts more FLOPs
-    assert all(r["ratio"] > 0 for r in result["ratios"]) and len(result["ratios"]) == 1
+    assert all(r["ratio"] > 0 for r in result["ratios"]) and len(result["ratios"]) == 4
+    # no compute on padding against grouped batches, documents apart against plain packing (data.unpad, document_mask)
+    by_name = {r["name"]: r for r in result["rows"]}
+    assert by_name["classify: train.py, unpadded"]["padding"] == 0 < by_name["classify: train.py"]["padding"]
+    assert by_name["mlm: train.py, documents apart"]["padding"] == 0 and by_name["mlm: train.py, documents apart"]["shapes"] == 1
+    assert {"classify: train.py, unpadded / classify: train.py", "mlm: train.py, documents apart / mlm: train.py"} <= \
+        {r["what"] for r in result["ratios"]}
     journal = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
     assert sorted(r["name"] for r in journal) == sorted(rows.split("|"))   # each run kept as it finished
     assert set(result["collate_ms"]) == {"K predictions (default)", "whole-word masking, K", "per-token choice"}
@@ -384,6 +391,7 @@ def test_bench_smoke_writes_the_table_and_the_chart(tmp_path, sample_dir):
     assert set(result["fetch_ms"]) == {"row by row", "one Arrow call"}
     text = (out / "bench.md").read_text()
     assert text.count("| mlm") >= 2 and "| collate: K predictions (default) |" in text and "MFU, anchors'" in text
+    assert "on CPUs both run a dense block-diagonal mask" in text   # the CPU proxy's limits, beside the rows
     assert (out / "bench.png").stat().st_size > 10_000
     grouped, plain = result["accuracy"]["runs"]["grouped"][0], result["accuracy"]["runs"]["not grouped"][0]
     assert 0 <= grouped["accuracy"] <= 1 and 0 <= plain["accuracy"] <= 1

@@ -112,14 +112,15 @@ def record(state: dict, row_: dict, result: dict, repeat: int, journal: Path, re
               f"{result['sequences'] / result['seconds']:.1f} sequences/s", flush=True)
     write_outputs(summarize(state), results, chart_too=False)
 
+
 def measure(args) -> dict:
     """Every row, alternating repeat after repeat; Trainer rows that share a `process` run in one worker."""
     size, out, results = SIZES[args.size], Path(args.out), Path(args.results or args.out)
-    data = prepare_workloads(size, Path(args.data_dir) if args.data_dir else out / f"data-{args.size}",
-                             Path(args.sample_dir))
-    vocab = len(json.loads((data["mlm"] / "tokenizer/tokenizer.json").read_text())["model"]["vocab"])
     precisions = args.precisions.split(",") if not args.set.startswith("gpu-") else ["bf16"]
     rows = select(variants(precisions, offload_row(args.offload), args.set, size), args)
+    data = prepare_workloads(size, Path(args.data_dir) if args.data_dir else out / f"data-{args.size}",
+                             Path(args.sample_dir), needed={"classify"} | {r["workload"] for r in rows})
+    vocab = len(json.loads((data["mlm"] / "tokenizer/tokenizer.json").read_text())["model"]["vocab"])
     epoch_steps = (args.classify_steps or   # fine-tuning: one epoch, so both sides see the same sequences
                    json.loads((data["classify"] / "prepared.json").read_text())["splits"]["train"] // size["batch"])
     peaks, device = probe(precisions)
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--only", help="comma-separated words: run only the rows whose name contains one")
     parser.add_argument("--rows", help="|-separated row names: run only these rows")
-    parser.add_argument("--set", choices=["all", "gpu-must", "gpu-rest"], default="all",
+    parser.add_argument("--set", choices=["all", "gpu-must", "gpu-rest", "gpu-docs"], default="all",
                         help="gpu-must / gpu-rest: the GPU session's two parts (bf16; tools/gpu_session.py)")
     parser.add_argument("--classify-steps", type=int, help="fine-tuning steps per run (default: one epoch)")
     parser.add_argument("--warmup", type=int, default=WINDOW, help=f"untimed steps, a multiple of {WINDOW}")

@@ -17,7 +17,7 @@ from bench_rows import SIZES, WINDOW, row_nproc  # noqa: E402
 def head_fraction(row_: dict, size: dict) -> float | None:
     """The share of positions the MLM head runs on: ours K = round(0.15 x seq) a sequence (0.15 on average
     with the per-token choice; all with the dense head); the Trainer's head is dense. None: no MLM head."""
-    if row_["workload"] != "mlm":
+    if not row_["workload"].startswith("mlm"):
         return None
     extra = row_.get("extra", [])
     if row_["side"] == "trainer" or "model.sparse_mlm_head=false" in extra:
@@ -66,7 +66,8 @@ def summarize_row(r: dict, runs: list[dict], state: dict, size: dict) -> dict:
     return {**{k: r.get(k) for k in ("name", "workload", "side", "precision", "pair")},
             "tokens_per_s": tokens_per_s, "rates": rates, "micro_batch": last.get("micro_batch"),
             "sequences_per_s": statistics.median(x["sequences"] * row_nproc(r) / x["seconds"] for x in runs),
-            "mfu_anchors": mfu_of(r, size, state["vocab"], tokens_per_s, peak, 1.0 if r["workload"] == "mlm" else None),
+            "mfu_anchors": mfu_of(r, size, state["vocab"], tokens_per_s, peak,
+                                  1.0 if r["workload"].startswith("mlm") else None),
             "mfu_ours": mfu_of(r, size, state["vocab"], tokens_per_s, peak, head_fraction(r, size)),
             "mfu_measured_peak": mfu_of(r, size, state["vocab"], tokens_per_s, measured, head_fraction(r, size)),
             "data_wait": statistics.median(x["data_wait_s"] / x["seconds"] for x in runs),
@@ -154,6 +155,15 @@ def render(result: dict) -> str:
     lines += [f"| collate: {name} | " + " | ".join(f"{ms:.2f}" for ms in by_batch.values()) + " |"
               for name, by_batch in result["collate_ms"].items()]
     lines += [f"| fetch 256 rows: {name} | {ms:.2f} | |" for name, ms in result.get("fetch_ms", {}).items()]
+    if any("documents apart" in r["name"] or "unpadded" in r["name"] for r in result["rows"]):
+        lines += ["", "Documents apart (data.document_mask: a packed row's documents attend within themselves) and unpadded "
+                  "batches (data.unpad: one row of real tokens): " + (
+                      "on this GPU through the plan's path (varlen under bf16, or the row's train.document_attention)."
+                      if "CPU" not in str(result["device"]) else
+                      "on CPUs both run a dense block-diagonal mask: SDPA computes every pair of positions and masks "
+                      "the pairs across documents, so their tokens/s say what the mask costs here, not what varlen's "
+                      "skipping of those pairs and of padding saves on a GPU (tools/gpu_session.py, part docs). The "
+                      "padding share and the shapes are the same on either.")]
     lines += render_quality(result.get("quality"), result["ratios"])
     lines += render_accuracy(result.get("accuracy"))
     for precision, table in (result.get("profiles") or {}).items():

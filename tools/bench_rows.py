@@ -20,6 +20,9 @@ SIZES = {   # model, vocabulary, sequence, micro batch
                  seq=128, batch=16),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab=30522,
                  seq=128, batch=32),
+    # BERT-base at 1,024 tokens: the GPU session's documents part (gpu-docs), where attention is a large share
+    "base-1k": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab=30522,
+                    seq=1024, batch=4),
 }
 MODEL_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 LR, SEED = 1e-4, 7
@@ -63,11 +66,31 @@ def gpu_rows(part: str, cuda: bool, size: dict) -> list[dict]:
                 limit_s=20),
             row("mlm: Trainer", "mlm", "trainer", "bf16", limit_s=20)]
 
+def docs_rows(cuda: bool) -> list[dict]:
+    """The GPU session's documents part (gpu-docs; the same rows at tiny size on CPU processes in its rehearsal):
+    packed rows with their documents apart through varlen and through the block mask, against a document a row padded
+    and unpadded (varlen), in bf16 without attention dropout (varlen takes none). On CPU processes every path is the
+    mask (train.document_attention=auto): the rehearsal checks the flow, not a figure."""
+    no_dropout = ["model.attention_probs_dropout_prob=0"]
+    varlen = ["train.document_attention=varlen"] if cuda else []
+    mask = ["train.document_attention=mask"] if cuda else []
+    return [row("mlm: packed, documents apart (varlen)", "mlm-docs", "ours", "bf16", extra=no_dropout + varlen,
+                pair="mlm: packed, documents apart (block mask)", limit_s=28),
+            row("mlm: packed, documents apart (block mask)", "mlm-docs", "ours", "bf16", extra=no_dropout + mask,
+                limit_s=28),
+            row("mlm: a document a row, unpadded (varlen)", "mlm-unpacked", "ours", "bf16",
+                extra=no_dropout + varlen + ["data.unpad=true", "data.length_bins=0"],
+                pair="mlm: a document a row, padded", limit_s=28),
+            row("mlm: a document a row, padded", "mlm-unpacked", "ours", "bf16", extra=no_dropout, limit_s=28)]
+
+
 def variants(precisions: list[str], offload: str | None, which: str = "all", size: dict | None = None) -> list[dict]:
     """What is run, in order. all: train.py and the Trainer at each precision, and each speed feature on
     and off; gpu-must / gpu-rest: the GPU session's two parts (gpu_rows; bf16)."""
     import torch
     cuda = torch.cuda.is_available()
+    if which == "gpu-docs":
+        return docs_rows(cuda)
     if which.startswith("gpu-"):
         return gpu_rows(which, cuda, size or SIZES["base"])
     rows = []
@@ -91,6 +114,12 @@ def variants(precisions: list[str], offload: str | None, which: str = "all", siz
             row("classify: Trainer", "classify", "trainer", p),
             row("classify: train.py, no grouping", "classify", "ours", p, extra=["data.group_by_length=false"],
                 pair="classify: train.py"),
+            # no compute on padding (data.unpad) against the fair baseline, grouped batches; a packed row's documents
+            # apart (data.document_mask) against plain packing. On CPUs both run a dense block-diagonal mask (the
+            # bench's note): the figures say what the mask costs here, not what varlen saves on a GPU (gpu-docs)
+            row("classify: train.py, unpadded", "classify", "ours", p, extra=["data.unpad=true", "data.length_bins=0"],
+                pair="classify: train.py"),
+            row("mlm: train.py, documents apart", "mlm-docs", "ours", p, pair="mlm: train.py"),
         ]
         if not cuda:   # model.dropout_impl=packed is a CPU opt-in (refused on GPUs)
             rows.append(row("mlm: train.py, packed dropout", "mlm", "ours", p, extra=["model.dropout_impl=packed"],

@@ -17,30 +17,43 @@ sys.path.insert(0, str(REPO / "tools"))
 from bench_rows import LR, MODEL_KEYS, SEED, SIZES, WINDOW  # noqa: E402,F401
 
 
-def prepare_workloads(size: dict, root: Path, sample_dir: Path) -> dict[str, Path]:
-    """The MLM corpus (packed) and the classification task, tokenized once by tools/prepare.py."""
+# The workloads beside the packed MLM corpus: (recipe, its settings), each prepared with the MLM corpus's tokenizer
+MORE_WORKLOADS = {"classify": ("tiny-classify.yaml", ["model.name_or_path=null"]),
+                  "mlm-docs": ("tiny-mlm.yaml", ["data.document_mask=true"]),       # documents apart in a packed row
+                  "mlm-unpacked": ("tiny-mlm.yaml", ["data.packing=false"])}        # a document a row, padded
+
+
+def workload_settings(workload: str) -> list[str]:
+    """The data settings a workload was prepared with, which a run on it must repeat (prepared data checks them)."""
+    return MORE_WORKLOADS[workload][1] if workload in MORE_WORKLOADS and workload != "classify" else []
+
+
+def prepare_workloads(size: dict, root: Path, sample_dir: Path, needed=("mlm", "classify")) -> dict[str, Path]:
+    """The MLM corpus (packed) and, where rows need them (`needed`), the classification task, the corpus packed with
+    its documents apart, and the corpus a document a row: tokenized once by tools/prepare.py."""
     from prepare import prepare
 
     from bert_recipes.config import load_config, validate
-    out = {"mlm": root / "mlm", "classify": root / "classify"}
+    out = {"mlm": root / "mlm", **{name: root / name for name in MORE_WORKLOADS}}
     common = [f"data.max_seq_length={size['seq']}", f"data.sample_dir={sample_dir}", f"data.cache_dir={root / 'cache'}",
               f"model.max_position_embeddings={max(512, size['seq'])}"]
     if not (out["mlm"] / "prepared.json").exists():
         cfg = load_config(REPO / "recipes/tiny-mlm.yaml", common + [f"tokenizer.vocab_size={size['vocab']}"])
         validate(cfg)
         prepare(cfg, out["mlm"])
-    if not (out["classify"] / "prepared.json").exists():
-        cfg = load_config(REPO / "recipes/tiny-classify.yaml", common + [
-            "model.name_or_path=null", f"tokenizer.name_or_path={out['mlm'] / 'tokenizer'}"])
-        validate(cfg)
-        prepare(cfg, out["classify"])
+    for name, (recipe, settings) in MORE_WORKLOADS.items():
+        if name in needed and not (out[name] / "prepared.json").exists():
+            cfg = load_config(REPO / "recipes" / recipe, common + settings + [
+                f"tokenizer.name_or_path={out['mlm'] / 'tokenizer'}"])
+            validate(cfg)
+            prepare(cfg, out[name])
     return out
 
 def ours_command(spec: dict) -> tuple[list[str], dict]:
     """train.py as a user runs it on the prepared data (python train.py, or accelerate launch for a
     backend row), logging every WINDOW steps, with no final checkpoint, evaluation or export."""
     size, data = SIZES[spec["size"]], Path(spec["data"][spec["workload"]])
-    recipe = "tiny-mlm.yaml" if spec["workload"] == "mlm" else "tiny-classify.yaml"
+    recipe = "tiny-mlm.yaml" if spec["workload"].startswith("mlm") else "tiny-classify.yaml"
     overrides = [f"--run.output_dir={spec['dir']}", "--run.overwrite=true", f"--run.seed={SEED}",
                  "--data.source=prepared", f"--data.prepared_dir={data}", f"--data.max_seq_length={size['seq']}",
                  f"--model.max_position_embeddings={max(512, size['seq'])}", f"--train.max_steps={spec['steps']}",
@@ -51,8 +64,9 @@ def ours_command(spec: dict) -> tuple[list[str], dict]:
                  "--logging.progress_bar=false", "--checkpoint.export=false", "--checkpoint.save_every=null",
                  "--checkpoint.save_final=false"]
     overrides += [f"--model.{k}={size[k]}" for k in MODEL_KEYS]
-    if spec["workload"] == "classify":   # the settings it was prepared with (tools/prepare.py checks them)
+    if spec["workload"] != "mlm":   # the settings it was prepared with (tools/prepare.py checks them)
         overrides += ["--model.name_or_path=null", f"--tokenizer.name_or_path={Path(spec['data']['mlm']) / 'tokenizer'}"]
+        overrides += [f"--{setting}" for setting in workload_settings(spec["workload"])]
     else:
         overrides.append(f"--tokenizer.vocab_size={size['vocab']}")
     if spec.get("compile_backend") and "train.compile=true" in spec.get("extra", []):

@@ -1,9 +1,10 @@
-"""The GPU session: what a lent GPU is for, in two parts that each fit one command on the GPU machine
+"""The GPU session: what a lent GPU is for, in parts that each fit one command on the GPU machine
 (at most 300 s, start-ups included) and return their results however they end.
 
     bash tools/gpu_session.sh must           # part 1, the must-have: bench at the automatic micro batch, host waits
     bash tools/gpu_session.sh rest           # part 2: fine-tuning step times, gpu-smoke, the fixed-micro trio
-    bash tools/gpu_session.sh --rehearse all # both, the same steps at tiny size on CPU processes (the suite runs it)
+    bash tools/gpu_session.sh docs           # part 3, when time remains: documents apart at 128 and 1,024 tokens
+    bash tools/gpu_session.sh --rehearse all # all three, the same steps at tiny size on CPU processes (the suite runs it)
     python tools/gpu_session.py prepare      # on a CPU machine, once: BERT-base's prepared data into .gpu_data/
 
 must: the versions in effect; make bench's gpu-must rows (train.py at train.micro_batch_size=auto, eager
@@ -12,7 +13,9 @@ prediction against the measured peak; a profile of the eager row's warmup steps)
 BERT-base with logging.sync_audit, whose windows between log steps count torch's sync warnings
 (set_sync_debug_mode("warn"), every warning shown). rest: the versions; a bf16 fine-tuning row with
 per-step times; gpu-smoke's session matrix (DDP bf16 and fp16, FSDP2 bf16: eval, checkpoint, resume,
-export); the fixed-micro-32 trio (train.py, train.py doing the Trainer's work, the Trainer).
+export); the fixed-micro-32 trio (train.py, train.py doing the Trainer's work, the Trainer). docs: packed rows
+with their documents apart through varlen against the block mask, a document a row padded against unpadded
+(varlen), at 128 and 1,024 tokens (bench-base.md, bench-base-1k.md and their .json).
 
 Every step has a limit: launches x LAUNCH_S (what one process costs to start and stop once the final
 evaluation, checkpoint and export are dropped) plus its own work. The plan is printed with its sum and
@@ -63,6 +66,8 @@ class Step:
     work_s: int             # on top of their start-up: training steps, compiles, data preparation
     run: object             # Session -> None (figures go to session.figures)
     rows: list = field(default_factory=list)   # the bench rows it runs (their limits make its own)
+    size: str | None = None  # the bench's size for this step (None: the session's)
+    rehearsed: bool = True   # False: the rehearsal skips it (the same rows as a step before it, at the same tiny size)
 
     @property
     def limit_s(self) -> int:
@@ -88,8 +93,11 @@ class Session:
         print(f"[gpu-session] {self.part}: {step.name} (limit {step.limit_s} s) ...", flush=True)
         t0 = time.time()
         try:
-            step.run(self, step)
-            status = "ok"
+            if self.rehearse and not step.rehearsed:
+                status = "skipped in the rehearsal (the step before ran the same rows at tiny size)"
+            else:
+                step.run(self, step)
+                status = "ok"
         except StepFailed as err:
             status = f"FAILED: {err}"
         self.results.append({"step": step.name, "limit_s": step.limit_s, "seconds": round(time.time() - t0, 1),
@@ -171,17 +179,21 @@ def doctor(session: Session, step: Step) -> None:
 
 
 def bench(session: Session, step: Step) -> None:
-    """make bench's rows of this part (tools/bench.py --set gpu-<part>), results straight into OUT."""
+    """make bench's rows of this part (tools/bench.py --set gpu-<part>), results straight into OUT; a step at a size of
+    its own (the documents part's two sequence lengths) writes bench-<size>.md and .json instead."""
     steps = "20" if session.rehearse else "30"   # the rehearsal: one timed window after the warmup (the flow, not a figure)
-    cmd = [session.python(), "tools/bench.py", "--size", session.size, "--set", f"gpu-{session.part}", "--repeats", "1",
+    size = session.size if session.rehearse else (step.size or session.size)
+    results = session.out if step.size is None else session.scratch / f"results-{size}"
+    results.mkdir(parents=True, exist_ok=True)
+    cmd = [session.python(), "tools/bench.py", "--size", size, "--set", f"gpu-{session.part}", "--repeats", "1",
            "--steps", steps, "--warmup", "10", "--classify-steps", steps, "--out", str(session.scratch / "bench"),
-           "--results", str(session.out), "--append", "--limit-scale", str(session.scale),
-           "--data-dir", str(workload_dir(session)), "--sample-dir", str(session.shared / "sample"),
+           "--results", str(results), "--append", "--limit-scale", str(session.scale),
+           "--data-dir", str(workload_dir(session, size)), "--sample-dir", str(session.shared / "sample"),
            "--quality-seeds", "0"]   # make bench's quality check (6+ runs) is not this session's: it would eat the part
     if session.rehearse:
         cmd += ["--compile-backend", "eager", "--collate-repeats", "10"]
     limit = step.limit_s
-    if not (workload_dir(session) / "mlm/prepared.json").exists():
+    if not (workload_dir(session, size) / "mlm/prepared.json").exists():
         if not session.rehearse:   # not carried: BERT-base's data is prepared here first
             limit += PREP_S
             session.figures["note"] = (f"the prepared data was not carried (python tools/gpu_session.py prepare): "
@@ -189,17 +201,24 @@ def bench(session: Session, step: Step) -> None:
         from bert_recipes.sample import build_sample
         build_sample(session.shared / "sample")
     try:
-        session.call(cmd, limit, session.scratch / "bench.log")
+        session.call(cmd, limit, session.scratch / f"bench-{size}.log")
     finally:   # whatever finished is in bench.json
-        found = session.out / "bench.json"
+        found = results / "bench.json"
         if found.exists():
-            session.figures.update(bench_figures(json.loads(found.read_text())))
+            figures = bench_figures(json.loads(found.read_text()))
+            if step.size is None:
+                session.figures.update(figures)
+            else:   # the documents part: each size's figures apart, its tables beside session.md
+                session.figures.setdefault("by_size", {})[size] = figures
+                for suffix in ("md", "json"):
+                    shutil.copy(results / f"bench.{suffix}", session.out / f"bench-{size}.{suffix}")
 
 
-def workload_dir(session: Session) -> Path:
+def workload_dir(session: Session, size: str | None = None) -> Path:
     """The prepared workloads: carried (.gpu_data, prepared on a CPU machine), else made in scratch."""
-    carried = CARRIED / f"data-{session.size}"
-    return carried if (carried / "mlm/prepared.json").exists() else session.shared / f"data-{session.size}"
+    size = size or session.size
+    carried = CARRIED / f"data-{size}"
+    return carried if (carried / "mlm/prepared.json").exists() else session.shared / f"data-{size}"
 
 
 def sync_debug(session: Session, step: Step) -> None:
@@ -258,8 +277,8 @@ SMOKE_WORK_S = 6   # a smoke launch's own work: 2-4 steps, an eval, a 1.3 GB che
 def parts() -> dict[str, list[Step]]:
     """The two parts, in order. The bench steps' limits are their rows' (tools/bench.py gpu_rows) plus the
     matmul probe's launch and the check of the carried data."""
-    from bench_rows import gpu_rows
-    must, rest = gpu_rows("gpu-must", True, {}), gpu_rows("gpu-rest", True, {})
+    from bench_rows import docs_rows, gpu_rows
+    must, rest, docs = gpu_rows("gpu-must", True, {}), gpu_rows("gpu-rest", True, {}), docs_rows(True)
     # +5: reading the carried data; without it (no .gpu_data) preparing it here takes PREP_S more
     bench_work = lambda rows: sum(r["limit_s"] for r in rows) + 5   # noqa: E731
     return {"must": [Step("versions, imports, GPU", 0, 15, versions),
@@ -270,7 +289,14 @@ def parts() -> dict[str, list[Step]]:
                      Step("host waits: 12 steps with logging.sync_audit and torch's sync debug mode", 1, 15, sync_debug)],
             "rest": [Step("versions, imports, GPU", 0, 15, versions),
                      Step("bench: fine-tuning step times; the fixed-micro trio", 1, bench_work(rest), bench, rest),
-                     Step("gpu-smoke: DDP bf16 and fp16, FSDP2 bf16", 6, 6 * SMOKE_WORK_S, smoke)]}
+                     Step("gpu-smoke: DDP bf16 and fp16, FSDP2 bf16", 6, 6 * SMOKE_WORK_S, smoke)],
+            # documents apart (data.document_mask, data.unpad): varlen against the block mask against padding; the
+            # part to run when time remains after must and rest
+            "docs": [Step("versions, imports, GPU", 0, 15, versions),
+                     Step("bench at 128 tokens: varlen, the block mask, padded, unpadded", 1, bench_work(docs), bench,
+                          docs, size="base"),
+                     Step("bench at 1,024 tokens: the same rows", 1, bench_work(docs), bench, docs, size="base-1k",
+                          rehearsed=False)]}
 
 
 def plan_rows(part: str, size: str) -> list[dict]:
@@ -352,24 +378,25 @@ def render(session: Session) -> str:
 
 
 # ----------------------------------------------------------------------------- prepare (CPU machine)
-def prepare_carried(size: str = "base") -> Path:
-    """BERT-base's workloads, prepared here once (tokenizer and token ids: CPU work), into .gpu_data/ for
-    the GPU machine (name it in the run call's carry), so no GPU time goes to tokenizing."""
+def prepare_carried(sizes=("base", "base-1k")) -> Path:
+    """BERT-base's workloads at 128 and 1,024 tokens, prepared here once (tokenizer and token ids: CPU work), into
+    .gpu_data/ for the GPU machine (name it in the run call's carry), so no GPU time goes to tokenizing."""
     from bench_rows import SIZES
-    from bench_runs import prepare_workloads
+    from bench_runs import MORE_WORKLOADS, prepare_workloads
     from bert_recipes.sample import build_sample
     sample = CARRIED / "sample"
     build_sample(sample)
-    root = CARRIED / f"data-{size}"
-    data = prepare_workloads(SIZES[size], root, sample)
-    shutil.rmtree(root / "cache", ignore_errors=True)   # datasets' cache: not needed to read prepared data
+    for size in sizes:
+        root = CARRIED / f"data-{size}"
+        prepare_workloads(SIZES[size], root, sample, needed=tuple(MORE_WORKLOADS))
+        shutil.rmtree(root / "cache", ignore_errors=True)   # datasets' cache: not needed to read prepared data
     shutil.rmtree(sample, ignore_errors=True)
-    return data["mlm"].parent
+    return CARRIED
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["must", "rest", "all", "prepare", "plan"])
+    parser.add_argument("part", choices=["must", "rest", "docs", "all", "prepare", "plan"])
     parser.add_argument("--rehearse", action="store_true", help="tiny size on CPU processes: the suite's rehearsal")
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-session",
                         help="where the files that come back go (default $OUT)")
@@ -377,7 +404,7 @@ def main(argv=None) -> int:
     if args.part == "prepare":
         print(f"[gpu-session] prepared: {prepare_carried()}")
         return 0
-    names = ["must", "rest"] if args.part in ("all", "plan") else [args.part]
+    names = ["must", "rest", "docs"] if args.part in ("all", "plan") else [args.part]
     for name in names:
         print(f"[gpu-session] {name}: {len(parts()[name])} steps, limits sum {limit_sum(name)} s (of {PART_S})")
         for row_ in plan_rows(name, "base"):
@@ -406,7 +433,7 @@ def main(argv=None) -> int:
                 session.run(step)
                 if step.run is versions and session.results[-1]["status"] != "ok":
                     break   # a missing module: nothing else can run; say so in seconds, not after every step fails
-            failed |= any(r["status"] != "ok" for r in session.results)
+            failed |= any(not r["status"].startswith(("ok", "skipped")) for r in session.results)
             print((part_out / "session.md").read_text())
     return 1 if failed else 0
 

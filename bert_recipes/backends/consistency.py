@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import Config, ConfigError, grad_accum_steps, packed_dropout_here, padded_batches, repeating_shapes
+from ..config import (Config, ConfigError, documents_attend_apart, grad_accum_steps, packed_dropout_here, padded_batches,
+                      repeating_shapes)
 from .deepspeed import deepspeed_conflicts
 from .plan import LaunchPlan, bf16_supported, local_capability, pipeline_replicas
 
@@ -80,7 +81,35 @@ def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="loca
     plan.packed_dropout = packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile,
                                               "cuda" if plan.on_gpu else "cpu")
     plan.padded, plan.repeating_shapes = padded_batches(cfg), repeating_shapes(cfg)
+    plan.attention_path = attention_path(cfg, plan) if documents_attend_apart(cfg) else None
     return plan
+
+
+def attention_path(cfg: Config, plan: LaunchPlan) -> str:
+    """How documents attend apart in this run (data.document_mask, data.unpad), decided once: attention.choose_path
+    on the plan's device, precision and the model's attention dropout; what no path serves, and what a path
+    cannot do (compile the varlen and flex paths, whose arguments change every batch), is one line."""
+    from ..attention import choose_path
+    dropout = cfg.model.attention_probs_dropout_prob
+    if dropout is None:   # the checkpoint's, else a fresh BertConfig's 0.1
+        dropout = checkpoint_attention_dropout(cfg.model.name_or_path) if cfg.model.name_or_path else 0.1
+    path, why = choose_path(bool(plan.on_gpu), cfg.train.mixed_precision, dropout, cfg.data.max_seq_length,
+                            cfg.train.document_attention)
+    if why:
+        raise ConfigError(why)
+    if cfg.train.compile and path != "mask":
+        raise ConfigError(f"train.compile with the {path} attention path (data.document_mask or data.unpad on a GPU): "
+                          "its documents' lengths change every batch, a recompile each; set train.compile=false")
+    return path
+
+
+def checkpoint_attention_dropout(name: str) -> float:
+    """A checkpoint's attention_probs_dropout_prob (0.1, BERT's, where its config cannot be read here)."""
+    try:
+        from transformers import AutoConfig
+        return float(getattr(AutoConfig.from_pretrained(name), "attention_probs_dropout_prob", 0.1))
+    except Exception:   # noqa: BLE001 (offline, a private repo: BERT's value)
+        return 0.1
 
 
 def check_trackers(trackers: list[str]) -> list[str]:

@@ -157,6 +157,9 @@ def pipeline_conflicts(cfg: Config, plan: LaunchPlan, name: str) -> list[str]:
     if cfg.train.compile:
         conflicts.append("train.compile under the pipeline engine: DeepSpeed's pipeline runs its stages itself; "
                          "set train.compile=false")
+    if cfg.data.document_mask or cfg.data.unpad:
+        conflicts.append("data.document_mask or data.unpad under the pipeline engine: its stages pass hidden states and "
+                         "a padding mask of fixed shapes; set both false")
     return conflicts
 
 

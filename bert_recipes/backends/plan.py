@@ -67,6 +67,7 @@ class LaunchPlan:
     packed_dropout: bool = False              # packed dropout masks (config.packed_dropout_here)
     padded: bool = False                      # padded batches with an attention mask (config.padded_batches)
     repeating_shapes: bool = False            # a fixed set of batch shapes (config.repeating_shapes): compile static
+    attention_path: str | None = None         # documents that attend apart (config.documents_attend_apart): attention.py
 
     @property
     def pin_memory(self) -> bool:

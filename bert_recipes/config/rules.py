@@ -108,14 +108,45 @@ def packed_dropout_here(impl: str, compile: bool, device_type: str) -> bool:
 
 
 def padded_batches(cfg: Config) -> bool:
-    """Are this run's batches padded (lengths that vary, an attention mask)? Packed MLM blocks are not."""
-    return cfg.task.kind != "mlm" or not cfg.data.packing
+    """Are this run's training batches padded (lengths that vary, an attention mask)? Packed MLM blocks are not, nor
+    unpadded batches (data.unpad: one row of real tokens)."""
+    return (cfg.task.kind != "mlm" or not cfg.data.packing) and not cfg.data.unpad
+
+
+def documents_attend_apart(cfg: Config) -> bool:
+    """Do this run's training batches carry documents that attend only within themselves (data.document_mask's
+    packed rows, data.unpad's one row)? Their attention path is the plan's (bert_recipes/attention.py)."""
+    return cfg.data.document_mask or cfg.data.unpad
+
+
+def check_documents(cfg: Config) -> None:
+    """data.document_mask and data.unpad, each where it means something, and what they cannot be combined with."""
+    d, t = cfg.data, cfg.train
+    packed_mlm = cfg.task.kind == "mlm" and d.packing
+    if d.document_mask and not packed_mlm:
+        raise ConfigError("data.document_mask=true keeps a packed row's documents apart: it needs packed MLM "
+                          f"(task.kind=mlm, data.packing=true; now task.kind={cfg.task.kind}, data.packing={d.packing}); "
+                          "for padded batches use data.unpad")
+    if d.unpad and packed_mlm:
+        raise ConfigError("data.unpad=true is for padded batches (fine-tuning, unpacked MLM); packed MLM blocks have no "
+                          "padding: set data.unpad=false (data.document_mask keeps their documents apart)")
+    if d.unpad and isinstance(d.length_bins, int) and d.length_bins > 0:
+        raise ConfigError(f"data.length_bins={d.length_bins} pads batches to fixed lengths and data.unpad=true runs them "
+                          "without padding: set data.length_bins=0 (or auto), or data.unpad=false")
+    if t.document_attention != "auto" and not (d.document_mask or d.unpad):
+        raise ConfigError(f"train.document_attention={t.document_attention} chooses how documents attend apart, and this "
+                          "run has none (data.document_mask and data.unpad are false): set one, or leave it auto")
+    if d.unpad and t.compile:
+        raise ConfigError("train.compile with data.unpad=true: the unpadded row's length changes every batch, a "
+                          "recompile each; set train.compile=false, or data.unpad=false with data.length_bins")
 
 
 def repeating_shapes(cfg: Config) -> bool:
     """Do the training batches take a fixed set of shapes (so torch.compile can compile each once, with
     dynamic=False)? Packed MLM blocks with K predictions (or the dense head) have one shape; padded
-    batches repeat only with length bins (data.length_bins, once resolved to a number)."""
+    batches repeat only with length bins (data.length_bins, once resolved to a number); unpadded ones never."""
+    if cfg.data.unpad:
+        return False
     if padded_batches(cfg):
         return isinstance(cfg.data.length_bins, int) and cfg.data.length_bins > 0
     return cfg.task.kind != "mlm" or cfg.data.max_predictions_per_seq is not None or not cfg.model.sparse_mlm_head
@@ -179,6 +210,7 @@ def validate(cfg: Config) -> None:
                 list(cfg.task.metrics or default_metrics(cfg.task.num_labels)) + (["eval_loss"] if cfg.task.num_labels == 1 else []))
     if best is not None and best not in reported:
         raise ConfigError(f"checkpoint.metric_for_best={best} is not among this task's evaluation metrics {reported}")
+    check_documents(cfg)
     if cfg.checkpoint.push_to_hub and not (cfg.checkpoint.hub_model_id and cfg.checkpoint.export):
         raise ConfigError("checkpoint.push_to_hub needs checkpoint.hub_model_id (user-or-org/name) and "
                           "checkpoint.export: true")

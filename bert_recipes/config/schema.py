@@ -182,6 +182,15 @@ class DataConfig:
     packing: bool = True
     """mlm only. True: concatenate then chunk into full blocks (no padding, standard for
     pretraining). False: one line per example, padded dynamically per batch."""
+    document_mask: bool = False
+    """Packed MLM: attention stays within each document of a packed row, and positions restart at each document
+    (a document: a line of .txt, a row of JSON, CSV or parquet; a document longer than a block is cut, and its
+    continuation starts the next row as a document of its own, positions from 0). Masking is unchanged. The path
+    (a block-diagonal mask on CPUs, varlen or FlexAttention on GPUs) is the run's plan's: bert_recipes/attention.py."""
+    unpad: bool = False
+    """Fine-tuning and unpacked MLM: the training batch's real tokens run as one row, each sequence attending
+    within itself with its own positions, so no compute goes to padding (on GPUs: varlen attention). The pooled
+    output, the loss and the metrics are the padded path's; evaluation runs padded."""
     mlm_probability: float = ranged(0.15, low=0, high=1, open_low=True, open_high=True, hint="e.g. 0.15")
     """Share of tokens selected; of those 80% -> [MASK], 10% -> random token, 10% kept."""
     max_predictions_per_seq: Union[int, Literal["auto"], None] = ranged("auto", **POSITIVE, also=("auto",))
@@ -303,6 +312,11 @@ class TrainConfig:
     graph's next replay overwrites the losses the step keeps: backends.consistency.check_cuda_graphs);
     max-autotune-no-cudagraphs: inductor tries kernel configurations (compiles for minutes). train.compile
     runs under DDP (no_sync included) and ZeRO-1/2; under ZeRO-3 it is refused (docs/troubleshooting.md)."""
+    document_attention: Literal["auto", "mask", "varlen", "flex"] = "auto"
+    """How documents attend apart (data.document_mask, data.unpad; bert_recipes/attention.py). auto: the plan's
+    choice (CPUs: mask; GPUs: varlen under bf16/fp16 without attention dropout, flex in fp32 without it, else mask up
+    to 1,024 tokens). mask, varlen, flex: that path (a benchmark's comparison), refused in one line where it cannot run
+    (varlen and flex need a CUDA GPU and no attention dropout; varlen bf16 or fp16)."""
     compile_backend: Literal["inductor", "eager", "aot_eager"] = "inductor"
     """inductor generates the kernels. eager / aot_eager are dynamo's debugging backends: the same
     tracing and guards, no kernels, so recompiles can be checked in seconds."""
