@@ -389,3 +389,22 @@ def test_checkpoints_load_without_pickles(tmp_path, sample_dir, datasets_cache, 
         text = path.read_text()
         assert "shell=True" not in text and "os.system(" not in text, path
         assert "trust_remote_code=True" not in text, path
+
+
+def test_a_cpu_launch_without_accelerate_use_cpu_is_one_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """The 2-process CPU config launched without ACCELERATE_USE_CPU=1 on a machine without GPUs: the launcher starts
+    2 processes and Accelerate runs each alone (DistributedType.NO), two unsynchronised copies of one run that
+    trained to the end before this check. Now one line naming the fix, exit code 2, nothing written."""
+    from conftest import launch_commands, snapshot
+    out = tmp_path / "run"
+    args = tiny_args(out, sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer})
+    (cmd,), env = launch_commands("train.py", [f"--{a}" for a in args], 2, backend="ddp")
+    assert env.pop("ACCELERATE_USE_CPU") == "1" and "--num_processes" in cmd and "2" in cmd
+    before = snapshot(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "bert_recipes.launch", *cmd], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("config error:")]
+    assert done.returncode == 2 and len(lines) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "the launcher started 2 processes but Accelerate runs 2 as distributed_type=DistributedType.NO, each " \
+           "alone; on CPUs launch with ACCELERATE_USE_CPU=1" in lines[0]
+    assert "Traceback" not in done.stderr and snapshot(tmp_path) == before

@@ -78,10 +78,14 @@ def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig,
     accelerator.register_save_state_pre_hook(drop_tied_weights)
     ds_rules.fill_deepspeed_autos(accelerator, optim)
     accelerator.swap_dirs = ds_rules.private_swap_dirs(accelerator, output_dir)
-    if accelerator.num_processes != world_size:
-        raise ConfigError(f"the launcher started {world_size} processes but Accelerate sees "
-                           f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}); "
-                           "see docs/backends.md 'Launching on CPU' for launch commands that really distribute")
+    # a GPU launch config on a machine without GPUs and without ACCELERATE_USE_CPU=1: the launcher starts N processes
+    # and Accelerate runs each alone (DistributedType.NO), N unsynchronised copies of one run
+    alone = world_size > 1 and str(accelerator.distributed_type).endswith(".NO")
+    if accelerator.num_processes != world_size or alone:
+        raise ConfigError(f"the launcher started {world_size} processes but Accelerate runs "
+                           f"{accelerator.num_processes} as distributed_type={accelerator.distributed_type}"
+                           f"{', each alone' if alone else ''}; on CPUs launch with ACCELERATE_USE_CPU=1 (the Make "
+                           "targets do), see docs/backends.md 'Launching on CPU'")
     return accelerator
 
 
