@@ -47,6 +47,7 @@ from bert_recipes.export import export_agreed, model_card, push_to_hub
 from bert_recipes.interface import AccelerateStep, Engine
 from bert_recipes.layout import resume_layout, run_layout, saved_layout
 from bert_recipes.logs import Trackers, plot_curves, write_metrics
+from bert_recipes.mask_rate import MaskSchedule, mask_schedule
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
@@ -77,6 +78,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     stop_at: int              # total_steps, or train.halt_at_step
+    masking: MaskSchedule     # the masking rate's levels over total_steps (one for fine-tuning)
     flops_per_token: float    # MFU's numerator per token
     peak_flops: float         # one device
     predicted_peak_gb: float  # the memory planner's (nan when not modelled)
@@ -149,11 +151,7 @@ def main(cfg: Config) -> dict:
         INTERRUPTION.at("building the model")
         steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
         module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
-        print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
-               f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
-               f"{describe_decay(cfg.optim, total_steps)}")
-        for warning in schedule_warnings(cfg, total_steps, slots=not plan.pipeline):
-            print0(warning)
+        masking = schedule(cfg, plan, collate, steps_per_epoch, total_steps)
 
         # -------------------------------------------------------------------- prepare
         engine.prepare(module, optimizer, scheduler, data, collate)
@@ -164,6 +162,7 @@ def main(cfg: Config) -> dict:
         run = Run(cfg=cfg, engine=engine, output_dir=output_dir, config_yaml=config_yaml, tokenizer=tokenizer,
                   collate=collate, eval_dataset_size=len(data["eval"]), steps_per_epoch=steps_per_epoch,
                   total_steps=total_steps, stop_at=min(total_steps, cfg.train.halt_at_step or total_steps),
+                  masking=masking,
                   flops_per_token=flops_token, peak_flops=peak,
                   predicted_peak_gb=memory_plan.peak / 1e9 if memory_plan is not None else float("nan"),
                   export_bytes=4 * Shape.from_config(model_config, cfg.task.kind).params, backend=backend,
@@ -234,6 +233,22 @@ def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: in
     return module, optimizer, build_scheduler(optimizer, cfg.optim, total_steps), model_config
 
 
+def schedule(cfg: Config, plan, collate, steps_per_epoch: int, total_steps: int) -> MaskSchedule:
+    """The [schedule] lines: the optimizer steps and the lr, the masking rate's levels (data.mlm_probability_end,
+    data.eval_mlm_probability), and what looks unintended. The MLM collator follows the levels from here, before
+    prepare, so evaluation's copy masks at evaluation's rate. -> the masking levels."""
+    print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
+           f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
+           f"{describe_decay(cfg.optim, total_steps)}")
+    masking = mask_schedule(cfg, total_steps)
+    if cfg.task.kind == "mlm":
+        collate.follow(masking)
+    for line in [masking.line(), *schedule_warnings(cfg, total_steps, slots=not plan.pipeline)]:
+        if line:
+            print0(line)
+    return masking
+
+
 def describe_run(cfg: Config, plan, engine: Engine, model_config):
     """The [backend], [memory] and [mfu] lines: what engaged, the planner's prediction, MFU's terms.
     -> (engine.describe(), the memory plan or None, FLOPs per token, one device's peak FLOP/s)."""
@@ -290,7 +305,8 @@ def train_step(run: Run, batches) -> tuple:
 def train(run: Run) -> None:
     """Optimizer steps until run.stop_at, the same for every engine: each step takes exactly
     `accum` micro batches of this rank; an epoch is steps_per_epoch steps, and a resumed epoch
-    skips the micro batches its finished steps took. Between log steps nothing here reads the
+    skips the micro batches its finished steps took. A masking rate that moves starts a new iterator at
+    each level's first step, skipping as a resume does. Between log steps nothing here reads the
     device: losses, counts and the skip decisions stay tensors, and the stop agreement runs in the
     background (logging.sync_audit counts what still waits; tests/test_speed.py asserts none)."""
     from tqdm.auto import tqdm
@@ -312,8 +328,12 @@ def train(run: Run) -> None:
     while state["step"] < run.stop_at and not run.stop_signal:
         epoch, done = divmod(state["step"], run.steps_per_epoch)
         run.collate.epoch = epoch   # MLM masks are a function of (seed, epoch, example)
+        run.collate.level, next_level = run.masking.at(state["step"])   # and of the masking rate's level
         batches = meter.feed(engine.batches(epoch, skip=done * engine.accum))
-        for _ in range(run.steps_per_epoch - done):
+        steps = run.steps_per_epoch - done
+        if next_level is not None:   # the level ends before the epoch: the next one starts its own iterator
+            steps = min(steps, next_level - state["step"])
+        for _ in range(steps):
             with audit or contextlib.nullcontext():
                 loss, grad_norm, skipped, overflow = train_step(run, batches)
                 run.guard.add(state["step"] + 1, loss, grad_norm, skipped, overflow)
@@ -364,6 +384,8 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
            "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
     # MFU over every device (a pipeline's bubbles count against it)
     row["mfu"] = run.flops_per_token * row["padded_tokens_per_sec"] / (run.peak_flops * engine.num_processes)
+    if len(run.masking.levels) > 1:   # data.mlm_probability_end: the rate the window's last step masked at
+        row["mlm_probability"] = run.masking.rate(step - 1)
     if run.audit is not None:   # logging.sync_audit: host waits in this window's steps
         row["host_syncs"] = run.audit.read_window()
         if engine.on_gpu:       # torch's sync debug mode, on in the steps

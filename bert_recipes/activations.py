@@ -247,12 +247,13 @@ def workload_of(cfg, config=None, micro_batch: int | None = None, masked_tokens:
     hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else getattr(config, "hidden_dropout_prob", 0.1)
     attention = (m.attention_probs_dropout_prob if m.attention_probs_dropout_prob is not None
                  else getattr(config, "attention_probs_dropout_prob", 0.1))
-    from .config import predictions_per_seq
-    batch, k = micro_batch or cfg.train.micro_batch_size, predictions_per_seq(cfg)
+    from .mask_rate import largest
+    rate, k = largest(cfg)   # a masking rate that moves: memory for its largest level
+    batch = micro_batch or cfg.train.micro_batch_size
     if k is not None and masked_tokens is None:   # the static head: K slots a sequence, every one computed
         masked_tokens = batch * k
     return Workload(batch=batch, seq=cfg.data.max_seq_length, static_head=k is not None,
                     hidden_dropout=hidden, attention_dropout=attention, attn_implementation=m.attn_implementation,
                     sparse_head=m.sparse_mlm_head, masked_tokens=masked_tokens,
-                    mlm_probability=cfg.data.mlm_probability, padded=cfg.task.kind == "classification",
+                    mlm_probability=rate, padded=cfg.task.kind == "classification",
                     dropout_impl=m.dropout_impl, compile=cfg.train.compile)

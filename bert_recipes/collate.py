@@ -3,6 +3,7 @@ example index): the same example is masked the same way whichever rank, worker o
 which is what makes a resumed run equal an uninterrupted one."""
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -53,15 +54,20 @@ class MLMCollator:
 
     The masking of example i in epoch e depends only on (seed, e, i): every random number is a hash of
     those and its position (`random_bits`), computed for the whole batch at once. Set `.epoch` before each
-    epoch; it lives in shared memory, so persistent DataLoader workers see it too (a copy gets its own)."""
+    epoch; it lives in shared memory, so persistent DataLoader workers see it too (a copy gets its own).
+
+    A masking rate that moves (bert_recipes/mask_rate.py): `levels` holds each level's (rate, K), the last one
+    evaluation's; `.level`, in shared memory as `.epoch`, says which one masks: the loop sets it before it starts
+    each level's iterator, and `evaluation_copy()` masks at evaluation's."""
 
     def __init__(self, tokenizer, mlm_probability: float, seed: int, pad_to_multiple_of: int | None = 8,
                  fixed_length: int | None = None, whole_word: bool = False, max_predictions: int | None = None,
                  positions: bool = True):
-        self.max_predictions, self.positions = max_predictions, positions and bool(max_predictions)
+        self.positions = positions and bool(max_predictions)
         self.tokenizer = tokenizer
         self.pad_id, self.mask_id = tokenizer.pad_token_id, tokenizer.mask_token_id
-        self.mlm_probability = mlm_probability
+        self.levels = [(mlm_probability, max_predictions)]   # (rate, K) a level: mask_rate.MaskSchedule's
+        self._level = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.seed = seed
         self.pad_to_multiple_of = pad_to_multiple_of
         self.fixed_length = fixed_length
@@ -82,10 +88,38 @@ class MLMCollator:
     def epoch(self, value: int):
         self._epoch[0] = value
 
+    @property
+    def level(self) -> int:
+        return int(self._level[0])
+
+    @level.setter
+    def level(self, value: int):
+        self._level[0] = value
+
+    @property
+    def mlm_probability(self) -> float:
+        return self.levels[self.level][0]
+
+    @property
+    def max_predictions(self) -> int | None:
+        return self.levels[self.level][1]
+
+    def follow(self, schedule) -> None:
+        """Mask at `schedule`'s levels (a mask_rate.MaskSchedule), evaluation's last; the loop sets .level."""
+        self.levels = [*schedule.levels, schedule.evaluation]
+
+    def evaluation_copy(self):
+        """The collator as evaluation and prediction use it: a copy (its own epoch), at evaluation's rate, never
+        unpadded (data.unpad is for training: evaluation's rows, metrics and predictions are per sequence)."""
+        other = copy.copy(self)
+        other.unpad, other.level = False, len(self.levels) - 1
+        return other
+
     def __copy__(self):
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other._epoch = self._epoch.clone().share_memory_()
+        other._level = self._level.clone().share_memory_()
         return other
 
     def _targets(self, valid: torch.Tensor) -> torch.Tensor:
@@ -172,6 +206,12 @@ class ClassificationCollator:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = _collate(examples, self.pad_id, self.pad_to_multiple_of, self.fixed_length, self.bins)
         return documents_apart(batch, self.unpad, self.attention_path)
+
+    def evaluation_copy(self):
+        """The collator as evaluation and prediction use it: a copy, never unpadded (data.unpad is for training)."""
+        other = copy.copy(self)
+        other.unpad = False
+        return other
 
 
 def documents_apart(batch: dict, unpad: bool, path: str | None) -> dict:

@@ -8,7 +8,6 @@ optimizer and scheduler; train.py's loop names no backend.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -49,14 +48,6 @@ def eager_under_compile(compiled: bool):
     to minutes and counted against dynamo's recompile limit (8), past which dynamo falls back to eager
     for training too, silently. torch.compiler.set_stance is public and restores the stance before."""
     return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
-
-
-def padded_copy(collate):
-    """The collator as evaluation and prediction use it: a copy (its own epoch), never unpadded (data.unpad is for
-    training: evaluation's rows, metrics and predictions are per sequence)."""
-    other = copy.copy(collate)
-    other.unpad = False
-    return other
 
 
 class AccelerateEngine:
@@ -126,7 +117,7 @@ class AccelerateEngine:
             train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, shuffle=True,
                                       drop_last=True, **kwargs)
         eval_loader = DataLoader(Indexed(data["eval"]), batch_size=t.eval_batch_size or t.micro_batch_size,
-                                 **{**kwargs, "collate_fn": padded_copy(collate)})   # masks of epoch 0, always
+                                 **{**kwargs, "collate_fn": collate.evaluation_copy()})   # masks of epoch 0, always
         # The schedule wraps the torch optimizer itself, before prepare: ZeRO keeps that optimizer
         # (and its param_groups) inside its own. A DeepSpeed JSON may own both instead.
         optimizer, scheduler, owned = deepspeed_owned(
@@ -166,7 +157,7 @@ class AccelerateEngine:
         """A prepared loader over another split (extra evaluations, test predictions)."""
         from torch.utils.data import DataLoader
         t = self.train_cfg
-        kwargs = loader_kwargs(self.data_cfg, padded_copy(self.collate), self.seed, pin=self.plan.pin_memory)
+        kwargs = loader_kwargs(self.data_cfg, self.collate.evaluation_copy(), self.seed, pin=self.plan.pin_memory)
         kwargs["collate_fn"].epoch = 0
         return self.accelerator.prepare(DataLoader(Indexed(dataset), batch_size=t.eval_batch_size or t.micro_batch_size,
                                                    **kwargs))
@@ -217,6 +208,11 @@ class AccelerateEngine:
                 self.accelerator.load_state(str(source))
         else:   # DDP's state is whole; FSDP's shards are re-cut by torch's distributed checkpoint
             self.accelerator.load_state(str(path))
+        # load_state restores Accelerate's micro-batch count, whose remainder by the accumulation places the sync:
+        # a checkpoint is always at an optimizer step's end, and on another process count (another accumulation)
+        # the saved count's remainder would sync mid-step (2 processes, accum 1, halted at step 7 -> 1 process,
+        # accum 2: the first micro batch would sync)
+        self.accelerator.step = 0
         schedule = Path(path) / "scheduler.json"
         if schedule.exists():
             self.scheduler.load_state_dict(json.loads(schedule.read_text()))

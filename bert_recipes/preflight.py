@@ -20,7 +20,7 @@ from pathlib import Path
 from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
 from .checkpoint import check_checkpoint_fits, check_resume_path, resumed_checkpoint
-from .config import (PATH_KEYS, Config, ConfigError, padded_batches, parse_train_args, path_kind, resolve, to_yaml,
+from .config import (PATH_KEYS, Config, ConfigError, check_mask_rate, padded_batches, parse_train_args, path_kind, resolve, to_yaml,
                      validate)
 from .corpora import FILE_KEYS, resolve_into
 from .places import check_path_names, check_writable_dir, unwritable_default
@@ -115,6 +115,7 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
     disk's state is read last because fixing an earlier mistake often changes it (another output_dir)."""
     validate(cfg)
     notes = resolve(cfg) + choose_micro_batch(cfg, plan, world_size, env) + choose_loader(cfg, plan, env)
+    check_mask_rate(cfg)   # with data.length_bins=auto decided
     check_trackers(cfg.logging.trackers)
     if plan.on_gpu and cfg.model.dropout_impl == "packed":   # on_gpu: decided once, with the plan
         raise ConfigError("model.dropout_impl=packed is for CPUs (it replaces a CPU's slow serial dropout masks); "

@@ -19,7 +19,8 @@ import gc
 
 import torch
 
-from .config import Config, predictions_per_seq
+from .config import Config
+from .mask_rate import largest
 from .ranks import print0
 
 
@@ -31,8 +32,8 @@ def trial_batch(cfg: Config, size: int, vocab_size: int, padded: bool, device) -
     ids = torch.randint(vocab_size, (size, length), generator=g)
     batch = {"input_ids": ids, **({"attention_mask": torch.ones_like(ids)} if padded else {})}
     if cfg.task.kind == "mlm":
-        k = predictions_per_seq(cfg)
-        chosen = torch.rand(size, length, generator=g) < cfg.data.mlm_probability
+        rate, k = largest(cfg)   # a masking rate that moves: its largest level
+        chosen = torch.rand(size, length, generator=g) < rate
         if k:
             positions = torch.rand(size, length, generator=g).argsort(dim=1)[:, :k].sort(dim=1).values
             chosen = torch.zeros(size, length, dtype=torch.bool).scatter_(1, positions, True)

@@ -251,8 +251,6 @@ class PipelineEngine:
         return self.net
 
     def prepare(self, module, optimizer, scheduler, data, collate):
-        import copy
-
         import deepspeed
         from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
         from torch.utils.data import BatchSampler, DataLoader
@@ -281,7 +279,7 @@ class PipelineEngine:
         # RNG, whose dropout stream a resumed run must continue exactly
         kwargs = loader_kwargs(self.data_cfg, collate, self.seed, pin=self.plan.pin_memory)
         self.loader = DataLoader(train_set, batch_sampler=self.batch_sampler, **kwargs)
-        self.eval_set, self.eval_collate = Indexed(data["eval"]), copy.copy(collate)
+        self.eval_set, self.eval_collate = Indexed(data["eval"]), collate.evaluation_copy()
         self.scheduler, self.counts_data = scheduler, self.engine.is_first_stage()
         self.engine.train()
 

@@ -13,14 +13,14 @@ A file per role, and every name importable from here (`from bert_recipes.config 
 from .loading import _coerce, _field_type, _hints, _merge, flat_dict, load_config, parse_train_args, set_key, to_dict, to_yaml
 from .readers import (ConfigError, _yaml_twice, first_line, json_twice, load_json, load_yaml, nearest_existing, path_kind,
                       read_text, yaml_problem)
-from .rules import (PATH_KEYS, documents_attend_apart, grad_accum_steps, optimizer_steps, packed_dropout_here,
+from .rules import (PATH_KEYS, check_mask_rate, documents_attend_apart, grad_accum_steps, optimizer_steps, packed_dropout_here,
                     padded_batches, predictions_per_seq, repeating_shapes, resolve, schedule_warnings, validate)
 from .schema import (_RANGES, POSITIVE, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
                      Range, RunConfig, TaskConfig, TokenizerConfig, TrainConfig, ranged)
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "PATH_KEYS",
-    "POSITIVE", "Range", "RunConfig", "TaskConfig", "TokenizerConfig", "TrainConfig", "documents_attend_apart",
+    "POSITIVE", "Range", "RunConfig", "TaskConfig", "TokenizerConfig", "TrainConfig", "check_mask_rate", "documents_attend_apart",
     "first_line", "flat_dict",
     "grad_accum_steps", "json_twice", "load_config", "load_json", "load_yaml", "nearest_existing", "optimizer_steps",
     "packed_dropout_here", "padded_batches", "parse_train_args", "path_kind", "predictions_per_seq", "ranged",

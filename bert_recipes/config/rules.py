@@ -141,6 +141,23 @@ def check_documents(cfg: Config) -> None:
                           "recompile each; set train.compile=false, or data.unpad=false with data.length_bins")
 
 
+def check_mask_rate(cfg: Config) -> None:
+    """data.mlm_probability_end and data.eval_mlm_probability: MLM only, and a rate that moves in levels train.compile
+    can compile (bert_recipes/mask_rate.py). Again once data.length_bins=auto is decided (preflight)."""
+    d = cfg.data
+    for key in ("mlm_probability_end", "eval_mlm_probability"):
+        if getattr(d, key) is not None and cfg.task.kind != "mlm":
+            raise ConfigError(f"data.{key}={getattr(d, key)} is a masking rate: it needs task.kind=mlm (now "
+                              f"{cfg.task.kind}); remove it")
+    bins = d.length_bins if isinstance(d.length_bins, int) else 0
+    moving = d.mlm_probability_end is not None and d.mlm_probability_end != d.mlm_probability
+    if moving and cfg.task.kind == "mlm" and cfg.train.compile and not d.packing and 8 // max(bins, 1) < 2:
+        raise ConfigError(f"data.mlm_probability_end={d.mlm_probability_end} under train.compile with data.length_bins="
+                          f"{bins}: each level of the rate is one more compiled shape a bin, and {bins} bins leave no "
+                          "room for a second level within dynamo's 8: set data.length_bins to 4 or fewer, or "
+                          "train.compile=false")
+
+
 def repeating_shapes(cfg: Config) -> bool:
     """Do the training batches take a fixed set of shapes (so torch.compile can compile each once, with
     dynamic=False)? Packed MLM blocks with K predictions (or the dense head) have one shape; padded
@@ -211,6 +228,7 @@ def validate(cfg: Config) -> None:
     if best is not None and best not in reported:
         raise ConfigError(f"checkpoint.metric_for_best={best} is not among this task's evaluation metrics {reported}")
     check_documents(cfg)
+    check_mask_rate(cfg)
     if cfg.checkpoint.push_to_hub and not (cfg.checkpoint.hub_model_id and cfg.checkpoint.export):
         raise ConfigError("checkpoint.push_to_hub needs checkpoint.hub_model_id (user-or-org/name) and "
                           "checkpoint.export: true")

@@ -192,7 +192,18 @@ class DataConfig:
     within itself with its own positions, so no compute goes to padding (on GPUs: varlen attention). The pooled
     output, the loss and the metrics are the padded path's; evaluation runs padded."""
     mlm_probability: float = ranged(0.15, low=0, high=1, open_low=True, open_high=True, hint="e.g. 0.15")
-    """Share of tokens selected; of those 80% -> [MASK], 10% -> random token, 10% kept."""
+    """Share of tokens selected; of those 80% -> [MASK], 10% -> random token, 10% kept. With
+    data.mlm_probability_end, the rate the run starts at."""
+    mlm_probability_end: Optional[float] = ranged(None, low=0, high=1, open_low=True, open_high=True,
+                                                  hint="e.g. 0.05")
+    """mlm: the rate the run ends at (mmBERT: 0.30 -> 0.05). The rate moves linearly from data.mlm_probability, in at
+    most 8 levels evenly spaced over the run's steps (8 // data.length_bins under train.compile with padded batches:
+    each K is one more compiled shape), the first at data.mlm_probability and the last at this; K follows the rate.
+    A function of the step and the run's length only: a resume masks as the uninterrupted run
+    (bert_recipes/mask_rate.py). null: the rate stays data.mlm_probability."""
+    eval_mlm_probability: Optional[float] = ranged(None, low=0, high=1, open_low=True, open_high=True, hint="e.g. 0.15")
+    """mlm: the rate evaluation masks at, fixed for the whole run so eval losses compare (ModernBERT evaluates at a
+    fixed rate). null: data.mlm_probability, the rate the run starts at (today's recipes are unchanged)."""
     max_predictions_per_seq: Union[int, Literal["auto"], None] = ranged("auto", **POSITIVE, also=("auto",))
     """mlm: K. Exactly min(K, round(mlm_probability x tokens)) tokens of each sequence are chosen, as
     BERT's own data pipeline, and passed to the model as K positions: static shapes (train.compile needs
