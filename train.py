@@ -34,6 +34,7 @@ from bert_recipes.backends.deepspeed import deepspeed_norm_and_skip
 from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
 from bert_recipes.backends.pipeline import train_batch
 from bert_recipes.backends.plan import launch_plan_here
+from bert_recipes.batch_ramp import BatchPlan, batch_plan
 from bert_recipes.checkpoint import (check_tokenizer_fits, pick_checkpoint, read_train_state, save_checkpoint,
                                      tokenizer_record)
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
@@ -78,6 +79,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     stop_at: int              # total_steps, or train.halt_at_step
+    stream: BatchPlan         # which micro batches each step takes: the batch's stages (bert_recipes/batch_ramp.py)
     masking: MaskSchedule     # the masking rate's levels over total_steps (one for fine-tuning)
     flops_per_token: float    # MFU's numerator per token
     peak_flops: float         # one device
@@ -149,9 +151,8 @@ def main(cfg: Config) -> dict:
 
         # -------------------------------------------------------------------- model, optimizer, schedule
         INTERRUPTION.at("building the model")
-        steps_per_epoch, total_steps = optimizer_steps(cfg.train, len(data["train"]), engine.replicas, engine.accum)
+        steps_per_epoch, total_steps, stream, masking = schedule(cfg, plan, engine, collate, len(data["train"]))
         module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
-        masking = schedule(cfg, plan, collate, steps_per_epoch, total_steps)
 
         # -------------------------------------------------------------------- prepare
         engine.prepare(module, optimizer, scheduler, data, collate)
@@ -162,7 +163,7 @@ def main(cfg: Config) -> dict:
         run = Run(cfg=cfg, engine=engine, output_dir=output_dir, config_yaml=config_yaml, tokenizer=tokenizer,
                   collate=collate, eval_dataset_size=len(data["eval"]), steps_per_epoch=steps_per_epoch,
                   total_steps=total_steps, stop_at=min(total_steps, cfg.train.halt_at_step or total_steps),
-                  masking=masking,
+                  stream=stream, masking=masking,
                   flops_per_token=flops_token, peak_flops=peak,
                   predicted_peak_gb=memory_plan.peak / 1e9 if memory_plan is not None else float("nan"),
                   export_bytes=4 * Shape.from_config(model_config, cfg.task.kind).params, backend=backend,
@@ -233,20 +234,26 @@ def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: in
     return module, optimizer, build_scheduler(optimizer, cfg.optim, total_steps), model_config
 
 
-def schedule(cfg: Config, plan, collate, steps_per_epoch: int, total_steps: int) -> MaskSchedule:
-    """The [schedule] lines: the optimizer steps and the lr, the masking rate's levels (data.mlm_probability_end,
+def schedule(cfg: Config, plan, engine: Engine, collate, train_sequences: int) -> tuple:
+    """The run's length and the [schedule] lines: the optimizer steps and the lr, a batch that grows
+    (train.global_batch_size_start: its stages), the masking rate's levels (data.mlm_probability_end,
     data.eval_mlm_probability), and what looks unintended. The MLM collator follows the levels from here, before
-    prepare, so evaluation's copy masks at evaluation's rate. -> the masking levels."""
+    prepare, so evaluation's copy masks at evaluation's rate. -> (full-size steps an epoch, total steps, the batch
+    stages, the masking levels)."""
+    steps_per_epoch, total_steps = optimizer_steps(cfg.train, train_sequences, engine.replicas, engine.accum)
+    stream = batch_plan(cfg, train_sequences, total_steps)   # a ramp's smaller steps: more of them an epoch
+    total_steps = stream.total_steps
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
            f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
            f"{describe_decay(cfg.optim, total_steps)}")
     masking = mask_schedule(cfg, total_steps)
     if cfg.task.kind == "mlm":
         collate.follow(masking)
-    for line in [masking.line(), *schedule_warnings(cfg, total_steps, slots=not plan.pipeline)]:
+    lines = [stream.line(cfg.data.max_seq_length, engine.replicas), masking.line()]
+    for line in [*lines, *schedule_warnings(cfg, total_steps, slots=not plan.pipeline)]:
         if line:
             print0(line)
-    return masking
+    return steps_per_epoch, total_steps, stream, masking
 
 
 def describe_run(cfg: Config, plan, engine: Engine, model_config):
@@ -305,8 +312,9 @@ def train_step(run: Run, batches) -> tuple:
 def train(run: Run) -> None:
     """Optimizer steps until run.stop_at, the same for every engine: each step takes exactly
     `accum` micro batches of this rank; an epoch is steps_per_epoch steps, and a resumed epoch
-    skips the micro batches its finished steps took. A masking rate that moves starts a new iterator at
-    each level's first step, skipping as a resume does. Between log steps nothing here reads the
+    skips the micro batches its finished steps took (run.stream: which micro batches a step takes is a function of
+    the step, batch ramp or not). A batch stage or a masking level starts a new iterator at its first step,
+    skipping as a resume does. Between log steps nothing here reads the
     device: losses, counts and the skip decisions stay tensors, and the stop agreement runs in the
     background (logging.sync_audit counts what still waits; tests/test_speed.py asserts none)."""
     from tqdm.auto import tqdm
@@ -326,13 +334,17 @@ def train(run: Run) -> None:
     if engine.on_gpu:   # peak memory of training, not of loading and preparing
         torch.cuda.reset_peak_memory_stats()
     while state["step"] < run.stop_at and not run.stop_signal:
-        epoch, done = divmod(state["step"], run.steps_per_epoch)
+        epoch, taken = run.stream.where(state["step"])   # global micro batches of this epoch before this step
+        batch, next_stage = run.stream.at(state["step"])   # a batch ramp's stage: the accumulation follows
+        if batch // (cfg.train.micro_batch_size * engine.replicas) != engine.accum:
+            engine.set_batch(batch)
         run.collate.epoch = epoch   # MLM masks are a function of (seed, epoch, example)
         run.collate.level, next_level = run.masking.at(state["step"])   # and of the masking rate's level
-        batches = meter.feed(engine.batches(epoch, skip=done * engine.accum))
-        steps = run.steps_per_epoch - done
-        if next_level is not None:   # the level ends before the epoch: the next one starts its own iterator
-            steps = min(steps, next_level - state["step"])
+        batches = meter.feed(engine.batches(epoch, skip=taken // engine.replicas))
+        steps = (run.stream.epoch_batches - taken) // (batch // cfg.train.micro_batch_size)
+        for end in (next_stage, next_level):   # a stage or level ends before the epoch: the next starts its iterator
+            if end is not None:
+                steps = min(steps, end - state["step"])
         for _ in range(steps):
             with audit or contextlib.nullcontext():
                 loss, grad_norm, skipped, overflow = train_step(run, batches)
@@ -380,10 +392,12 @@ def check_guard(run: Run) -> None:
 def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
     """One log line, tracker point and history row: loss, lr, grad norm, throughput, MFU, data wait."""
     engine, step = run.engine, run.state["step"]
-    row = {"step": step, "epoch": round(step / run.steps_per_epoch, 3), **row, "lr": engine.lr(),
+    row = {"step": step, "epoch": round(run.stream.position(step) / run.stream.epoch_batches, 3), **row, "lr": engine.lr(),
            "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
     # MFU over every device (a pipeline's bubbles count against it)
     row["mfu"] = run.flops_per_token * row["padded_tokens_per_sec"] / (run.peak_flops * engine.num_processes)
+    if len(run.stream.stages) > 1:   # train.global_batch_size_start: the global batch of the window's last step
+        row["global_batch_size"] = run.stream.at(step - 1)[0]
     if len(run.masking.levels) > 1:   # data.mlm_probability_end: the rate the window's last step masked at
         row["mlm_probability"] = run.masking.rate(step - 1)
     if run.audit is not None:   # logging.sync_audit: host waits in this window's steps

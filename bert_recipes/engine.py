@@ -83,6 +83,16 @@ class AccelerateEngine:
                            f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x "
                            f"accum {accum} x world {a.num_processes}")
 
+    def set_batch(self, global_batch: int):
+        """The global batch of the steps from here on (train.global_batch_size_start's ramp: bert_recipes/batch_ramp.py),
+        after prepare: the micro batch stays; Accelerate's accumulation follows (where it syncs, how it scales the
+        loss), and under ZeRO DeepSpeed's own (its step boundary and loss scale: set_train_batch_size)."""
+        self.accum = self.accelerator.gradient_accumulation_steps = global_batch // (
+            self.train_cfg.micro_batch_size * self.replicas)
+        self.accelerator.step = 0   # its micro-batch count, whose remainder places the sync: a stage starts a step
+        if self.plan.deepspeed:
+            self.model.set_train_batch_size(global_batch)
+
     def finish(self):
         if self.accelerator.swap_dirs:   # ZeRO NVMe offload: once every rank is done with its swap files,
             barrier()                       # one rank a node (an NVMe is node-local) clears them

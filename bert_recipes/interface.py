@@ -62,6 +62,10 @@ class Engine(Protocol):
     def lr(self) -> float:
         """The learning rate of the last step."""
 
+    def set_batch(self, global_batch: int) -> None:
+        """The global batch of the steps from here on (a batch ramp), after prepare: the micro batch stays, the
+        accumulation follows; `accum` says the new one."""
+
     def evaluate(self, dataset=None) -> dict:
         """Per-sample rows over the eval split (or `dataset`), every sample once, on every rank:
         metrics.eval_metrics' input."""

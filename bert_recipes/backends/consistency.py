@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..config import (Config, ConfigError, documents_attend_apart, grad_accum_steps, packed_dropout_here, padded_batches,
                       repeating_shapes)
+from ..batch_ramp import check_ramp
 from .deepspeed import deepspeed_conflicts
 from .plan import LaunchPlan, bf16_supported, local_capability, pipeline_replicas
 
@@ -75,6 +76,7 @@ def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="loca
         capability = local_capability() if plan.on_gpu else None
     plan.world, plan.replicas = world_size, pipeline_replicas(plan, world_size)
     plan.accum = grad_accum_steps(cfg.train, plan.replicas)
+    check_ramp(cfg, plan.replicas)   # train.global_batch_size_start: each stage whole micro batches on every rank
     check_cuda_graphs(cfg.train, plan.accum, plan.replicas)
     check_consistency(cfg, plan, plan.replicas, plan.accum, bool(plan.on_gpu), capability)
     plan.precision, plan.tf32 = cfg.train.mixed_precision, bool(plan.on_gpu and cfg.train.tf32)

@@ -157,6 +157,9 @@ def pipeline_conflicts(cfg: Config, plan: LaunchPlan, name: str) -> list[str]:
     if cfg.train.compile:
         conflicts.append("train.compile under the pipeline engine: DeepSpeed's pipeline runs its stages itself; "
                          "set train.compile=false")
+    if cfg.train.global_batch_size_start is not None:
+        conflicts.append("train.global_batch_size_start under the pipeline engine: its micro batches per step are fixed "
+                         "when the engine is built; remove the ramp (and train.batch_rampup_tokens)")
     if cfg.data.document_mask or cfg.data.unpad:
         conflicts.append("data.document_mask or data.unpad under the pipeline engine: its stages pass hidden states and "
                          "a padding mask of fixed shapes; set both false")

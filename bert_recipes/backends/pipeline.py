@@ -307,6 +307,11 @@ class PipelineEngine:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
+    def set_batch(self, global_batch: int):
+        """The pipeline's micro batches a step are fixed when its engine is built: a batch ramp is refused before
+        (backends/deepspeed.pipeline_conflicts)."""
+        assert global_batch == self.train_cfg.global_batch_size, "a batch ramp under the pipeline engine"
+
     def _outputs(self, ds):
         """(dataset indices, logits, labels) of each batch, on the last stage. Each replica takes every
         replicas-th sample; a short last batch is padded with repeats (the pipeline's buffers have

@@ -296,7 +296,16 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     global_batch_size: int = ranged(32, **POSITIVE)
-    """Sequences per optimizer step, summed over all ranks and accumulation steps."""
+    """Sequences per optimizer step, summed over all ranks and accumulation steps (with a ramp: the batch it ends at)."""
+    global_batch_size_start: Optional[int] = ranged(None, **POSITIVE, hint="sequences")
+    """A batch that grows (ModernBERT, mmBERT, Megatron's rampup_batch_size): the global batch the run starts at,
+    a divisor of train.global_batch_size. The batch rises through the stages between them that divide the full
+    batch and are multiples of this one (768 -> 4608: 768, 1536, 2304, 4608), each but the last for an equal share
+    of train.batch_rampup_tokens; the micro batch stays, the accumulation grows. The lr schedule counts optimizer
+    steps. Exactly resumable on any process count (bert_recipes/batch_ramp.py). Not under the pipeline."""
+    batch_rampup_tokens: Optional[int] = ranged(None, **POSITIVE, hint="tokens: sequences x data.max_seq_length")
+    """The tokens (sequences x data.max_seq_length) the batch takes to reach train.global_batch_size; each stage's
+    steps are rounded up to whole full-size steps, so no step crosses an epoch's end."""
     micro_batch_size: Union[int, Literal["auto"]] = ranged(32, **POSITIVE, also=("auto",), hint="auto: GPUs")
     """Sequences per forward pass on one rank. Accumulation = global / (micro x world). auto (GPUs): the
     largest divisor of global / data-parallel ranks that the memory planner says fits this GPU's free
