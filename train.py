@@ -241,12 +241,12 @@ def schedule(cfg: Config, plan, engine: Engine, collate, train_sequences: int) -
     prepare, so evaluation's copy masks at evaluation's rate. -> (full-size steps an epoch, total steps, the batch
     stages, the masking levels)."""
     steps_per_epoch, total_steps = optimizer_steps(cfg.train, train_sequences, engine.replicas, engine.accum)
-    stream = batch_plan(cfg, train_sequences, total_steps)   # a ramp's smaller steps: more of them an epoch
+    stream = batch_plan(cfg.train, cfg.data.max_seq_length, train_sequences, total_steps)   # a ramp: more steps
     total_steps = stream.total_steps
     print0(f"[schedule] {total_steps} optimizer steps ({steps_per_epoch} per epoch of "
            f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
            f"{describe_decay(cfg.optim, total_steps)}")
-    masking = mask_schedule(cfg, total_steps)
+    masking = mask_schedule(cfg.data, cfg.task.kind, cfg.train.compile, total_steps)
     if cfg.task.kind == "mlm":
         collate.follow(masking)
     lines = [stream.line(cfg.data.max_seq_length, engine.replicas), masking.line()]

@@ -247,8 +247,9 @@ def workload_of(cfg, config=None, micro_batch: int | None = None, masked_tokens:
     hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else getattr(config, "hidden_dropout_prob", 0.1)
     attention = (m.attention_probs_dropout_prob if m.attention_probs_dropout_prob is not None
                  else getattr(config, "attention_probs_dropout_prob", 0.1))
+    from .config import predictions_per_seq
     from .mask_rate import largest
-    rate, k = largest(cfg)   # a masking rate that moves: memory for its largest level
+    rate, k = largest(cfg.data, predictions_per_seq(cfg))   # a masking rate that moves: memory for its largest level
     batch = micro_batch or cfg.train.micro_batch_size
     if k is not None and masked_tokens is None:   # the static head: K slots a sequence, every one computed
         masked_tokens = batch * k

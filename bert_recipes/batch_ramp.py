@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .config import Config, ConfigError
+from .config import ConfigError, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,11 @@ class BatchPlan:
                 f"train.batch_rampup_tokens): " + ", ".join(parts) + "; the lr schedule counts steps")
 
 
-def batch_plan(cfg: Config, train_sequences: int, steps: int) -> BatchPlan:
-    """The run's stages (one without a ramp) over `train_sequences` training sequences; `steps`: the run's length
-    at the full batch (config.optimizer_steps), which a ramp's smaller steps lengthen when train.epochs sets it."""
-    t, seq = cfg.train, cfg.data.max_seq_length
+def batch_plan(train: TrainConfig, seq: int, train_sequences: int, steps: int) -> BatchPlan:
+    """The run's stages (one without a ramp) over `train_sequences` training sequences of `seq` tokens
+    (data.max_seq_length); `steps`: the run's length at the full batch (config.optimizer_steps), which a ramp's
+    smaller steps lengthen when train.epochs sets it."""
+    t = train
     full, micro = t.global_batch_size, t.micro_batch_size
     epoch_batches = train_sequences // full * (full // micro)
     start = t.global_batch_size_start
@@ -102,10 +103,10 @@ def batch_plan(cfg: Config, train_sequences: int, steps: int) -> BatchPlan:
     return replace(plan, total_steps=min(by_epochs, t.max_steps or by_epochs))
 
 
-def check_ramp(cfg: Config, world: int | None = None) -> None:
+def check_ramp(train: TrainConfig, world: int | None = None) -> None:
     """train.global_batch_size_start and train.batch_rampup_tokens: both or neither, the start a divisor of the
     full batch, and (with the world known) every stage a whole number of micro batches on every rank."""
-    t = cfg.train
+    t = train
     start, tokens = t.global_batch_size_start, t.batch_rampup_tokens
     if (start is None) != (tokens is None):
         given = "train.global_batch_size_start" if start is not None else "train.batch_rampup_tokens"

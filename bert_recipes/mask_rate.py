@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Config, predictions_per_seq
+from .config import DataConfig
 
 MAX_LEVELS = 8   # dynamo's recompile limit: train.compile compiles each K (a shape) once
 
@@ -40,14 +40,14 @@ class MaskSchedule:
                 "(data.mlm_probability_end, data.eval_mlm_probability)")
 
 
-def mask_schedule(cfg: Config, total_steps: int) -> MaskSchedule:
+def mask_schedule(data: DataConfig, kind: str, compile: bool, total_steps: int) -> MaskSchedule:
     """The run's masking levels over `total_steps` optimizer steps. A rate that moves takes
     min(8 // shapes, total_steps) levels (shapes: the length bins a padded batch takes under train.compile, each
     K one more compiled graph per bin), the first at data.mlm_probability and the last at data.mlm_probability_end,
     evenly spaced in rate and in steps; K follows the rate (round(K x rate / data.mlm_probability), at least 1)."""
-    d = cfg.data
+    d = data
     start, end = d.mlm_probability, d.mlm_probability_end
-    count = 1 if end is None or end == start or cfg.task.kind != "mlm" else min(levels_allowed(cfg), total_steps)
+    count = 1 if end is None or end == start or kind != "mlm" else min(levels_allowed(d, compile), total_steps)
     rates = [start] if count == 1 else [round(start + (end - start) * i / (count - 1), 6) for i in range(count)]
     starts = tuple(round(i * total_steps / count) for i in range(count))
     levels = tuple((rate, k_at(d.max_predictions_per_seq, start, rate)) for rate in rates)
@@ -62,16 +62,16 @@ def k_at(k: int | str | None, start: float, rate: float) -> int | None:
     return max(1, round(k * rate / start))
 
 
-def levels_allowed(cfg: Config) -> int:
+def levels_allowed(data: DataConfig, compile: bool) -> int:
     """How many levels the rate may take: 8, or 8 // length bins when train.compile compiles each (bin, K) pair."""
-    bins = cfg.data.length_bins if isinstance(cfg.data.length_bins, int) else 0
-    shapes = bins if cfg.train.compile and bins > 1 and not cfg.data.packing else 1
+    bins = data.length_bins if isinstance(data.length_bins, int) else 0
+    shapes = bins if compile and bins > 1 and not data.packing else 1
     return MAX_LEVELS // shapes
 
 
-def largest(cfg: Config) -> tuple[float, int | None]:
-    """The (rate, K) of the run's most predicted tokens, training's or evaluation's: what memory is sized for (the
-    planner, train.micro_batch_size=auto's trial step). Needs no step count: the levels lie between the two ends."""
-    d = cfg.data
-    rate = max(r for r in (d.mlm_probability, d.mlm_probability_end, d.eval_mlm_probability) if r is not None)
-    return rate, k_at(predictions_per_seq(cfg), d.mlm_probability, rate)
+def largest(data: DataConfig, k: int | None) -> tuple[float, int | None]:
+    """The (rate, K) of the run's most predicted tokens, training's or evaluation's, for a run whose K at its starting
+    rate is `k` (config.predictions_per_seq): what memory is sized for (the planner, train.micro_batch_size=auto's
+    trial step). Needs no step count: the levels lie between the two ends."""
+    rate = max(r for r in (data.mlm_probability, data.mlm_probability_end, data.eval_mlm_probability) if r is not None)
+    return rate, k_at(k, data.mlm_probability, rate)

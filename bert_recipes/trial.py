@@ -19,7 +19,7 @@ import gc
 
 import torch
 
-from .config import Config
+from .config import Config, predictions_per_seq
 from .mask_rate import largest
 from .ranks import print0
 
@@ -32,7 +32,7 @@ def trial_batch(cfg: Config, size: int, vocab_size: int, padded: bool, device) -
     ids = torch.randint(vocab_size, (size, length), generator=g)
     batch = {"input_ids": ids, **({"attention_mask": torch.ones_like(ids)} if padded else {})}
     if cfg.task.kind == "mlm":
-        rate, k = largest(cfg)   # a masking rate that moves: its largest level
+        rate, k = largest(cfg.data, predictions_per_seq(cfg))   # a masking rate that moves: its largest level
         chosen = torch.rand(size, length, generator=g) < rate
         if k:
             positions = torch.rand(size, length, generator=g).argsort(dim=1)[:, :k].sort(dim=1).values

@@ -19,7 +19,7 @@ TOL = 1e-5   # fp32, dropout off: another process count sums in another order
 
 def plan_of(tmp_path, sequences: int, steps: int = 1000, **train):
     cfg = load_config(None, [f"run.output_dir={tmp_path}"] + [f"train.{k}={v}" for k, v in train.items()])
-    return batch_plan(cfg, sequences, steps)
+    return batch_plan(cfg.train, cfg.data.max_seq_length, sequences, steps)
 
 
 def test_the_stages_divide_the_full_batch_and_no_step_crosses_an_epoch(tmp_path):

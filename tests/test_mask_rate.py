@@ -28,7 +28,7 @@ def config(tmp_path, sample_dir, datasets_cache, **extra):
 def test_the_levels_run_from_the_start_rate_to_the_end_rate_with_k_following(tmp_path, sample_dir, datasets_cache):
     cfg = config(tmp_path, sample_dir, datasets_cache, **{"data.mlm_probability": 0.3, "data.mlm_probability_end": 0.05,
                                                           "data.max_seq_length": 64})
-    s = mask_schedule(cfg, 100)
+    s = mask_schedule(cfg.data, cfg.task.kind, cfg.train.compile, 100)
     rates = [rate for rate, _ in s.levels]
     assert len(rates) == MAX_LEVELS == 8 and rates[0] == 0.3 and rates[-1] == 0.05
     assert all(a > b for a, b in zip(rates, rates[1:]))
@@ -36,22 +36,22 @@ def test_the_levels_run_from_the_start_rate_to_the_end_rate_with_k_following(tmp
     assert s.starts == (0, 12, 25, 38, 50, 62, 75, 88)
     assert s.at(0) == (0, 12) and s.at(11) == (0, 12) and s.at(12) == (1, 25) and s.at(99) == (7, None)
     assert s.evaluation == (0.3, 19)            # null: the rate the run starts at
-    assert largest(cfg) == (0.3, 19)            # memory is sized for the largest level
+    assert largest(cfg.data, cfg.data.max_predictions_per_seq) == (0.3, 19)            # memory is sized for the largest level
     assert "8 levels" in s.line() and "evaluation masks at 0.3 (K 19)" in s.line()
-    assert len(mask_schedule(cfg, 5).levels) == 5   # never more levels than steps
+    assert len(mask_schedule(cfg.data, cfg.task.kind, cfg.train.compile, 5).levels) == 5   # never more levels than steps
 
 
 def test_a_rate_that_stays_is_one_level_and_no_line(tmp_path, sample_dir, datasets_cache):
     cfg = config(tmp_path, sample_dir, datasets_cache)
-    s = mask_schedule(cfg, 100)
+    s = mask_schedule(cfg.data, cfg.task.kind, cfg.train.compile, 100)
     assert s.levels == ((0.15, 5),) and s.starts == (0,) and s.at(50) == (0, None) and s.line() is None
     cfg = config(tmp_path, sample_dir, datasets_cache, **{"data.eval_mlm_probability": 0.3})
-    s = mask_schedule(cfg, 100)
+    s = mask_schedule(cfg.data, cfg.task.kind, cfg.train.compile, 100)
     assert s.levels == ((0.15, 5),) and s.evaluation == (0.3, 10) and "evaluation masks at 0.3 (K 10)" in s.line()
-    assert largest(cfg) == (0.3, 10)
+    assert largest(cfg.data, cfg.data.max_predictions_per_seq) == (0.3, 10)
     padded = config(tmp_path, sample_dir, datasets_cache, **{
         "data.packing": False, "data.length_bins": 4, "train.compile": True, "data.mlm_probability_end": 0.05})
-    assert len(mask_schedule(padded, 100).levels) == 2   # 4 bins x 2 K: dynamo's 8 compiled shapes
+    assert len(mask_schedule(padded.data, "mlm", True, 100).levels) == 2   # 4 bins x 2 K: dynamo's 8 compiled shapes
 
 
 def collator(k: int | None = 20):
@@ -76,7 +76,7 @@ def test_each_level_masks_its_rate_and_evaluation_its_own(k, tmp_path, sample_di
     cfg = config(tmp_path, sample_dir, datasets_cache, **{"data.mlm_probability": 0.3, "data.mlm_probability_end": 0.05,
                                                           "data.eval_mlm_probability": 0.15})
     cfg.data.max_predictions_per_seq = k
-    s = mask_schedule(cfg, 16)
+    s = mask_schedule(cfg.data, cfg.task.kind, cfg.train.compile, 16)
     collate, tokenizer = collator(k)
     collate.follow(s)
     examples = rows(tokenizer)
@@ -101,7 +101,7 @@ def test_dataloader_workers_that_persist_follow_the_level(tmp_path, sample_dir, 
     cfg = config(tmp_path, sample_dir, datasets_cache, **{"data.mlm_probability": 0.3, "data.mlm_probability_end": 0.05})
     cfg.data.max_predictions_per_seq = 20
     collate, tokenizer = collator()
-    collate.follow(mask_schedule(cfg, 16))
+    collate.follow(mask_schedule(cfg.data, cfg.task.kind, cfg.train.compile, 16))
     loader = DataLoader(rows(tokenizer), batch_size=8, collate_fn=collate, num_workers=1, persistent_workers=True)
     counts = []
     for level in (0, 7):

@@ -326,6 +326,7 @@ def measure(args, cfg) -> dict:
     from bert_recipes.backends.plan import launch_plan_here
     from measure import measure_states
     from bert_recipes.modeling import build_model, model_config
+    from bert_recipes.config import predictions_per_seq
     from bert_recipes.mask_rate import largest
     from bert_recipes.optim import build_optimizer
 
@@ -346,7 +347,7 @@ def measure(args, cfg) -> dict:
     # A synthetic batch of the recipe's shape: real model and optimizer, random tokens.
     b, s = cfg.train.micro_batch_size, cfg.data.max_seq_length
     gen = torch.Generator().manual_seed(cfg.run.seed + accelerator.process_index)
-    rate, k = largest(cfg)   # the static head's K slots a sequence (the default), else a Bernoulli share; the
+    rate, k = largest(cfg.data, predictions_per_seq(cfg))   # the static head's K slots a sequence (the default), else a Bernoulli share; the
     masked = b * k if k is not None else math.ceil(rate * b * s)   # largest level of a masking rate that moves
 
     def make_batch(_):

@@ -76,7 +76,7 @@ def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="loca
         capability = local_capability() if plan.on_gpu else None
     plan.world, plan.replicas = world_size, pipeline_replicas(plan, world_size)
     plan.accum = grad_accum_steps(cfg.train, plan.replicas)
-    check_ramp(cfg, plan.replicas)   # train.global_batch_size_start: each stage whole micro batches on every rank
+    check_ramp(cfg.train, plan.replicas)   # train.global_batch_size_start: each stage whole micro batches on every rank
     check_cuda_graphs(cfg.train, plan.accum, plan.replicas)
     check_consistency(cfg, plan, plan.replicas, plan.accum, bool(plan.on_gpu), capability)
     plan.precision, plan.tf32 = cfg.train.mixed_precision, bool(plan.on_gpu and cfg.train.tf32)
