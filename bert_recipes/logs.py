@@ -70,8 +70,9 @@ class Trackers:
         -> {tracker: run id} now, for the next checkpoints (empty on other ranks and for TensorBoard)."""
         if not self.is_main:
             return {}
-        for var, value in MLFLOW_DURING_RUN.items():   # a server lost mid-run costs seconds, not MLflow's 254 s of retries
-            os.environ.setdefault(var, value)
+        if "mlflow" in self.names:   # a server lost mid-run costs seconds, not MLflow's 254 s of retries
+            for var, value in MLFLOW_DURING_RUN.items():
+                os.environ.setdefault(var, value)
         ids, now = dict(ids or {}), {}
         for name in self.names:
             tracker = self._open(name, run_name, ids.get(name))

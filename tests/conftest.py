@@ -272,9 +272,12 @@ def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:
         assert var not in os.environ, f"{var} is set: in-process runs must be single-process"
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+    environment = dict(os.environ)
     try:
         return train.main(load_config(recipe, overrides))
-    finally:
+    finally:   # what a run sets in its process (a tracker's variables) must not reach the next launch: the warm
+        os.environ.clear()   # server starts a process cold when its environment differs from the server's
+        os.environ.update(environment)
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
 
@@ -340,9 +343,12 @@ def run_cli_in_process(argv: list[str], capsys, stdout_too: bool = False) -> tup
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+    environment = dict(os.environ)
     try:
         code = train.run_cli(argv)
-    finally:
+    finally:   # as run_in_process: nothing a run sets in os.environ outlives it
+        os.environ.clear()
+        os.environ.update(environment)
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     captured = capsys.readouterr()
