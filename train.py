@@ -51,6 +51,7 @@ from bert_recipes.logs import Trackers, plot_curves, write_metrics
 from bert_recipes.mask_rate import MaskSchedule, mask_schedule
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
+from bert_recipes.mixture import Mixture, evaluate_sources, source_mixture
 from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import (build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if,
                                 total_norm)
@@ -81,6 +82,7 @@ class Run:
     stop_at: int              # total_steps, or train.halt_at_step
     stream: BatchPlan         # which micro batches each step takes: the batch's stages (bert_recipes/batch_ramp.py)
     masking: MaskSchedule     # the masking rate's levels over total_steps (one for fine-tuning)
+    mixture: Mixture | None   # data.mixture: the sources' order and what each gave (bert_recipes/mixture.py)
     flops_per_token: float    # MFU's numerator per token
     peak_flops: float         # one device
     predicted_peak_gb: float  # the memory planner's (nan when not modelled)
@@ -152,10 +154,13 @@ def main(cfg: Config) -> dict:
         # -------------------------------------------------------------------- model, optimizer, schedule
         INTERRUPTION.at("building the model")
         steps_per_epoch, total_steps, stream, masking = schedule(cfg, plan, engine, collate, len(data["train"]))
+        mixture = source_mixture(cfg.data, data, cfg.run.seed, stream.epoch_batches * cfg.train.micro_batch_size)
+        if mixture is not None:
+            print0(mixture.line())
         module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
 
         # -------------------------------------------------------------------- prepare
-        engine.prepare(module, optimizer, scheduler, data, collate)
+        engine.prepare(module, optimizer, scheduler, data, collate, mixture)
         backend, memory_plan, flops_token, peak = describe_run(cfg, plan, engine, model_config)
         baseline = None
         if cfg.task.kind == "classification" and cfg.task.num_labels > 1:
@@ -163,7 +168,7 @@ def main(cfg: Config) -> dict:
         run = Run(cfg=cfg, engine=engine, output_dir=output_dir, config_yaml=config_yaml, tokenizer=tokenizer,
                   collate=collate, eval_dataset_size=len(data["eval"]), steps_per_epoch=steps_per_epoch,
                   total_steps=total_steps, stop_at=min(total_steps, cfg.train.halt_at_step or total_steps),
-                  stream=stream, masking=masking,
+                  stream=stream, masking=masking, mixture=mixture,
                   flops_per_token=flops_token, peak_flops=peak,
                   predicted_peak_gb=memory_plan.peak / 1e9 if memory_plan is not None else float("nan"),
                   export_bytes=4 * Shape.from_config(model_config, cfg.task.kind).params, backend=backend,
@@ -413,15 +418,31 @@ def log_step(run: Run, row: dict, grad_norm, watch: DataLoaderWatch) -> dict:
         print0(warning)
     run.state["tokens_seen"] = run.state.get("tokens_seen", 0) + int(row["window_tokens"])
     run.state["history"]["train"].append(row)
-    run.trackers.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step)
+    run.trackers.log({f"train/{k}": v for k, v in row.items() if k != "step"} | sources_seen(run, step), step)
     print0(train_line(row, run.total_steps, run.predicted_peak_gb if engine.on_gpu else None,
                       run.cfg.logging.dataloader_warn_share))
     return row
 
 
+def sources_seen(run: Run, step: int) -> dict:
+    """data.mixture at a log step: a line for each source that started a pass in the log_every steps up to `step` (a
+    function of the step: a resumed run prints the same), and the tokens each source gave so far, for the trackers."""
+    if run.mixture is None:
+        return {}
+    micro, every = run.cfg.train.micro_batch_size, run.cfg.logging.log_every
+    begin, end = (run.stream.position((step - 1) // every * every) * micro, run.stream.position(step) * micro)
+    for name, number, position in run.mixture.pass_starts(begin, end):
+        print0(f"[data] source {name} ran out: its pass {number + 1} starts at step "
+               f"{run.stream.steps_for(position // micro + 1)} (data.mixture)")
+    return {f"train/tokens/{name}": seen["tokens"] for name, seen in run.mixture.seen(end).items()}
+
+
 def run_eval(run: Run) -> dict:
-    """Evaluate now; keep the state apart when checkpoint.metric_for_best improved."""
-    metrics = {"step": run.state["step"], **eval_metrics(run.cfg.task, run.engine.evaluate())}
+    """Evaluate now (data.mixture: each source, and all together); keep the state apart when
+    checkpoint.metric_for_best improved."""
+    engine, task = run.engine, run.cfg.task
+    found = evaluate_sources(task, engine, run.data, run.mixture) if run.mixture else eval_metrics(task, engine.evaluate())
+    metrics = {"step": run.state["step"], **found}
     run.state["history"]["eval"].append(metrics)
     run.trackers.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, metrics["step"])
     shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
@@ -483,6 +504,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
              **engine.final(), "backend": run.backend}
     if run.audit is not None:
         final["sync_audit"] = dict(run.audit.sites)
+    if run.mixture is not None:   # what each source gave: sequences, tokens, share beside its target
+        final["mixture"] = run.mixture.seen(run.stream.position(state["step"]) * cfg.train.micro_batch_size)
     if run.baseline is not None:
         final["majority_baseline_accuracy"] = run.baseline
     if cfg.checkpoint.export:

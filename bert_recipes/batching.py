@@ -27,9 +27,11 @@ class LengthGroupedBatches:
 
     drop_last = True
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, step_batches: int = 1, group: int = 50):
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, step_batches: int = 1, group: int = 50,
+                 order=None):
         self.lengths, self.batch_size, self.seed, self.step_batches = lengths, batch_size, seed, step_batches
         self.group = group
+        self.order = order   # epoch -> row ids (a data.mixture's: bert_recipes/mixture.py), else a seeded shuffle
         self.epoch = 0
         self.sampler = self   # where Accelerate's DataLoaderShard.set_epoch looks for it
 
@@ -41,11 +43,11 @@ class LengthGroupedBatches:
 
     def __iter__(self):
         g = torch.Generator().manual_seed(_seed_of(self.seed, self.epoch, -1))
-        order = torch.randperm(len(self.lengths), generator=g).tolist()
-        span = self.batch_size * self.group * self.step_batches
+        order = self.order(self.epoch) if self.order else torch.randperm(len(self.lengths), generator=g).tolist()
+        span, n = self.batch_size * self.group * self.step_batches, len(self.lengths)
         batches = []
         for start in range(0, len(order), span):
-            chunk = sorted(order[start:start + span], key=lambda i: -self.lengths[i])
+            chunk = sorted(order[start:start + span], key=lambda i: -self.lengths[i % n])
             batches += [chunk[i:i + self.batch_size] for i in range(0, len(chunk) - self.batch_size + 1, self.batch_size)]
         steps = [batches[i:i + self.step_batches] for i in range(0, len(batches), self.step_batches)]
         for r in torch.randperm(len(steps), generator=g).tolist():
@@ -53,7 +55,8 @@ class LengthGroupedBatches:
 
 
 class Indexed(Dataset):
-    """Adds each row's index as 'idx', which the MLM collator seeds its masking from.
+    """Adds each row's index as 'idx', which the MLM collator seeds its masking from. An index past the last row reads
+    row index mod rows (a data.mixture's later passes: bert_recipes/mixture.py), and keeps its own idx.
 
     `__getitems__` reads a whole micro batch in one Arrow call (the DataLoader's fetcher uses it when
     it exists): row by row, a micro batch of 256 costs 256 table slices and conversions on the
@@ -66,14 +69,15 @@ class Indexed(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i):
-        return {**self.dataset[int(i)], "idx": int(i)}
+        return {**self.dataset[int(i) % len(self.dataset)], "idx": int(i)}
 
     def __getitems__(self, indices) -> list[dict]:
         """Rows `indices` (any sequence of ints: a list, a tuple, a tensor) as __getitem__ gives them."""
         indices = [int(i) for i in indices]
         if not hasattr(self.dataset, "column_names"):   # not a datasets.Dataset (a list of rows): one by one
             return [self[i] for i in indices]
-        columns = self.dataset[indices]   # {column: [value of each row]}
+        n = len(self.dataset)
+        columns = self.dataset[[i % n for i in indices]]   # {column: [value of each row]}
         return [{**{k: values[j] for k, values in columns.items()}, "idx": i} for j, i in enumerate(indices)]
 
 

@@ -63,7 +63,10 @@ def resolve_entries(entries: list[str], key: str) -> list[str]:
             out.append(entry)
             continue
         if kind == "missing" and not contains_wildcards(entry):
-            raise ConfigError(f"{key}: data file not found: {entry}")
+            sample = Path(DataConfig.sample_dir)   # the embedded sample's place, which recipes may name
+            hint = (f" (the embedded sample's text: build it with python -m bert_recipes.sample {sample}, as make demo "
+                    "does)") if Path(entry).parts[:len(sample.parts)] == sample.parts else ""
+            raise ConfigError(f"{key}: data file not found: {entry}{hint}")
         base, pattern = (str(Path(entry).expanduser().resolve()), "**") if kind == "dir" else (cwd, os.path.expanduser(entry))
         try:
             matched = resolve_pattern(pattern, base_path=base, allowed_extensions=_allowed())
@@ -110,17 +113,30 @@ def check_kinds(files: list[str]) -> str:
 def resolve_data_files(data: DataConfig) -> dict[str, list[str]]:
     """data.source=files: every entry resolved, every file readable and not empty, one format.
     -> {'train': [...], 'validation': [...]} (no 'validation' without data.validation_files)."""
-    files = {"train": resolve_entries(list(data.train_files or []), "data.train_files")}
+    files = {"train": resolve_files(list(data.train_files or []), "data.train_files")}
     if data.validation_files:
-        files["validation"] = resolve_entries(list(data.validation_files), "data.validation_files")
-    for key, paths in zip(FILE_KEYS, (files["train"], files.get("validation", []))):
-        for f in paths:
-            if not os.access(f, os.R_OK):
-                raise ConfigError(f"{key}={f} cannot be read (permission denied): give a file this user can read")
-            if Path(f).stat().st_size == 0:
-                raise ConfigError(f"{key}: {f} is empty; give a file with rows")
+        files["validation"] = resolve_files(list(data.validation_files), "data.validation_files")
     check_kinds(sum(files.values(), []))
     return files
+
+
+def resolve_files(entries: list[str], key: str) -> list[str]:
+    """One list of entries (data.train_files, a source's files) resolved, each file readable and not empty."""
+    files = resolve_entries(entries, key)
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise ConfigError(f"{key}={f} cannot be read (permission denied): give a file this user can read")
+        if Path(f).stat().st_size == 0:
+            raise ConfigError(f"{key}: {f} is empty; give a file with rows")
+    return files
+
+
+def file_lists(data: DataConfig) -> dict[str, list[str]]:
+    """Every list of files the run reads, by its key: data.train_files and data.validation_files, or each source's
+    (data.mixture[i].files)."""
+    if data.mixture:
+        return {f"data.mixture[{i}].files": list(source.files) for i, source in enumerate(data.mixture)}
+    return {key: list(value) for key, value in zip(FILE_KEYS, (data.train_files, data.validation_files)) if value}
 
 
 def describe(files: list[str], key: str) -> str:
@@ -141,33 +157,35 @@ def _size(n_bytes: float) -> str:
 
 
 def resolve_into(data: DataConfig, checkpoint_files: dict[str, list | None] | None = None) -> list[str]:
-    """Resolve data.train_files / data.validation_files and write the lists into `data`, so the run's
-    resolved config holds them. A resume whose entries now name more files than the checkpoint's run
-    read (a shard added to the directory) reads the checkpoint's files, in their order, with one line.
-    -> the lines to print."""
+    """Resolve every file list (file_lists: data.train_files / data.validation_files, or each source of data.mixture)
+    and write the lists into `data`, so the run's resolved config holds them. A resume whose entries now name more
+    files than the checkpoint's run read (a shard added to the directory) reads the checkpoint's files, in their
+    order, with one line. -> the lines to print."""
     if data.source != "files":
         return []
-    given = {"train": list(data.train_files or []), "validation": list(data.validation_files or [])}
-    files = resolve_data_files(data)
-    notes = []
-    for split, key in zip(("train", "validation"), FILE_KEYS):
-        if split not in files:
-            continue
-        now, before = files[split], (checkpoint_files or {}).get(key) or []
+    notes, resolved = [], {}
+    for key, given in file_lists(data).items():
+        now, before = resolve_files(given, key), (checkpoint_files or {}).get(key) or []
+        if data.mixture:   # a source's files are one format; sources may differ
+            check_kinds(now)
         grown = [f for f in now if f not in set(before)]
-        by_pattern = any(not Path(e).expanduser().is_file() for e in given[split])
+        by_pattern = any(not Path(e).expanduser().is_file() for e in given)
         keep = by_pattern and before and grown and set(before) <= set(now) and all(Path(f).is_file() for f in before)
+        resolved[key] = list(before) if keep else now
+        notes.append(describe(resolved[key], key))
         if keep:
-            files[split] = list(before)
-        notes.append(describe(files[split], key))
-        if keep:
-            notes.append(f"[resume] {key}: {given[split]} now names {len(grown)} file{'s' * (len(grown) > 1)} the "
+            notes.append(f"[resume] {key}: {given} now names {len(grown)} file{'s' * (len(grown) > 1)} the "
                          f"checkpoint's run did not read ({grown[0]}{' ...' if len(grown) > 1 else ''}): the resume "
                          f"reads that run's {len(before)} files, in their order; to train on the new ones, start a "
                          "new run (another run.output_dir, or --run.overwrite=true)")
-    data.train_files = files["train"]
-    if "validation" in files:
-        data.validation_files = files["validation"]
+    if data.mixture:
+        for i, source in enumerate(data.mixture):
+            source.files = resolved[f"data.mixture[{i}].files"]
+        return notes
+    check_kinds(sum(resolved.values(), []))
+    data.train_files = resolved[FILE_KEYS[0]]
+    if FILE_KEYS[1] in resolved:
+        data.validation_files = resolved[FILE_KEYS[1]]
     return notes
 
 
@@ -178,13 +196,13 @@ def same_files_on_every_rank(data: DataConfig, group) -> None:
     if data.source != "files" or group is None:
         return
     from .ranks import spread
-    files = list(data.train_files or []) + list(data.validation_files or [])
+    files = sum(file_lists(data).values(), [])
     sizes = [Path(f).stat().st_size for f in files]
     digest = float(zlib.crc32(json.dumps(list(zip(files, sizes))).encode()))   # below 2**32: exact in float64
     low, high = spread(digest, group)
     if low != high:
         here = f"rank {os.environ.get('RANK', '0')}: {len(files)} file{'s' * (len(files) > 1)}, {_size(sum(sizes))}"
-        raise ConfigError(f"{', '.join(FILE_KEYS)}: the ranks resolved different files ({here}; another rank's node "
+        raise ConfigError(f"{', '.join(file_lists(data))}: the ranks resolved different files ({here}; another rank's node "
                           "sees other names or sizes): give every node the same files (a shared filesystem, or "
                           "complete copies on each node)")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from .collate import ClassificationCollator, MLMCollator
 from .config import DataConfig, TaskConfig, TokenizerConfig
 from .disk import full_disk_is_one_line, fullest
+from .mixture import joined_sources
 from .places import make_place
 from .ranks import main_first
 from .sources import get_tokenizer, load_prepared, load_raw
@@ -23,6 +24,7 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     data (data.source: prepared) is memory-mapped as `make prepare` wrote it. Text labels
     without task.label_names: their sorted order is written into `task.label_names`, so the resolved config
     and the export's id2label name them."""
+    from datasets import DatasetDict
     if data_cfg.source == "prepared":
         tokenizer, data, test_index = load_prepared(data_cfg, task, tok, model_name_or_path)
         return tokenizer, data, make_collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
@@ -40,9 +42,13 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
         raw = load_raw(data_cfg, task, seed)
     tokenizer = get_tokenizer(tok, model_name_or_path, raw["train"], data_cfg, output_dir / "tokenizer", is_main,
                               broadcast)
+    if data_cfg.mixture:   # each source tokenized (and packed) on its own, then joined (bert_recipes/mixture.py)
+        raw = DatasetDict({k: v for k, v in raw.items() if "@" in k})
     with main_first(*first), full_disk_is_one_line(
             "the tokenized data cache", cache, 0, lambda: tokenized_bytes(raw, data_cfg.max_seq_length), DATA_THEN):
         data = tokenize(raw, tokenizer, task, data_cfg, task.label_names)
+    if data_cfg.mixture:
+        data = joined_sources(data, [s.name for s in data_cfg.mixture])
     if task.kind == "classification" and task.label_names is None:
         mapping = label_mapping(raw, task, data_cfg, None)
         if mapping is not None:

@@ -22,6 +22,7 @@ from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwa
 from .config import DataConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import export_model
 from .metrics import joined_rows
+from .mixture import MixedOrder
 from .modeling import batch_rows, predictions
 from .optim import build_scheduler, resume_schedule
 from .throughput import peak_memory_gb
@@ -71,6 +72,7 @@ class AccelerateEngine:
         self.num_processes = self.replicas = a.num_processes
         self.device = a.device
         self.set_accumulation(self.accum)
+        self._loaders: dict = {}   # id(split) -> (the split, its prepared loader): _loader
         if kernels:
             print0(kernels)
 
@@ -109,7 +111,7 @@ class AccelerateEngine:
         self.full_param_numel = sum(p.numel() for p in model.parameters())
         return model
 
-    def prepare(self, module, optimizer, scheduler, data, collate):
+    def prepare(self, module, optimizer, scheduler, data, collate, mixture=None):
         from torch.utils.data import DataLoader
         t, d = self.train_cfg, self.data_cfg
         if not self.on_gpu:   # lengths rounded up to a multiple of 8 feed tensor cores; on a CPU it is only padding
@@ -121,8 +123,12 @@ class AccelerateEngine:
         if d.group_by_length:   # batches of similar length (data.LengthGroupedBatches)
             lengths = lengths or sequence_lengths(data["train"])
             batches = LengthGroupedBatches(lengths, t.micro_batch_size, self.seed,
-                                           step_batches=t.global_batch_size // t.micro_batch_size)
+                                           step_batches=t.global_batch_size // t.micro_batch_size,
+                                           order=mixture.order if mixture else None)
             train_loader = DataLoader(Indexed(data["train"]), batch_sampler=batches, **kwargs)
+        elif mixture is not None:   # data.mixture: the sources' order (bert_recipes/mixture.py)
+            train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, sampler=MixedOrder(mixture),
+                                      drop_last=True, **kwargs)
         else:
             train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, shuffle=True,
                                       drop_last=True, **kwargs)
@@ -164,13 +170,17 @@ class AccelerateEngine:
         return self.scheduler.get_last_lr()[0]
 
     def _loader(self, dataset):
-        """A prepared loader over another split (extra evaluations, test predictions)."""
+        """A prepared loader over another split (extra evaluations, test predictions, a data.mixture's sources),
+        prepared once a split."""
         from torch.utils.data import DataLoader
-        t = self.train_cfg
-        kwargs = loader_kwargs(self.data_cfg, self.collate.evaluation_copy(), self.seed, pin=self.plan.pin_memory)
-        kwargs["collate_fn"].epoch = 0
-        return self.accelerator.prepare(DataLoader(Indexed(dataset), batch_size=t.eval_batch_size or t.micro_batch_size,
-                                                   **kwargs))
+        loaders = self._loaders
+        if id(dataset) not in loaders:
+            t = self.train_cfg
+            kwargs = loader_kwargs(self.data_cfg, self.collate.evaluation_copy(), self.seed, pin=self.plan.pin_memory)
+            kwargs["collate_fn"].epoch = 0
+            loaders[id(dataset)] = (dataset, self.accelerator.prepare(
+                DataLoader(Indexed(dataset), batch_size=t.eval_batch_size or t.micro_batch_size, **kwargs)))
+        return loaders[id(dataset)][1]
 
     @torch.no_grad()
     def predict(self, dataset):

@@ -49,8 +49,9 @@ class Engine(Protocol):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """What the optimizer is built over: the model, or this rank's pipeline stage."""
 
-    def prepare(self, module: torch.nn.Module, optimizer, scheduler, data: dict, collate) -> None:
-        """Hand module, optimizer, schedule and loaders to the backend."""
+    def prepare(self, module: torch.nn.Module, optimizer, scheduler, data: dict, collate, mixture=None) -> None:
+        """Hand module, optimizer, schedule and loaders to the backend; the training loader reads `mixture`'s order
+        (data.mixture: bert_recipes/mixture.Mixture) when given, else a seeded shuffle of (seed, epoch)."""
 
     def describe(self) -> dict:
         """What really engaged (backend, sharding, stages, dtypes): the [backend] line and metrics.json."""

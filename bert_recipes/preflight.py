@@ -36,8 +36,11 @@ def looks_local(name: str) -> bool:
 def path_values(cfg: Config, kinds: tuple[str, ...]) -> list[tuple[str, object]]:
     """(key, value) of every path key (config.PATH_KEYS) of the given kinds ("read ...", "write dir"), in the
     table's order: what places.check_path_names checks, without handing it the whole config."""
-    return [(key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) for key, kind in PATH_KEYS.items()
-            if key != "recipe" and kind.startswith(kinds)]
+    values = [(key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) for key, kind in PATH_KEYS.items()
+              if key != "recipe" and kind.startswith(kinds)]
+    if "read" in kinds:   # data.mixture's sources read files too
+        values += [(f"data.mixture[{i}].files", s.files) for i, s in enumerate(cfg.data.mixture or [])]
+    return values
 
 
 def check_paths(cfg: Config) -> list[str]:
@@ -57,20 +60,28 @@ def check_paths(cfg: Config) -> list[str]:
                               "such as an export's model/, or a Hub name)")
     notes = []
     if cfg.data.source == "files":   # the checkpoint's lists: a resume reads the files its run read
-        notes = resolve_into(cfg.data, {k: _resumed_files(cfg, k) for k in FILE_KEYS})
+        notes = resolve_into(cfg.data, _resumed_files(cfg))
     if cfg.data.source == "prepared":
         check_prepared_dir(cfg.data)
     check_resume_path(cfg.checkpoint.resume)
     return notes
 
 
-def _resumed_files(cfg: Config, key: str) -> list[str] | None:
-    """The list a key held in the config of the checkpoint this run resumes; None when there is none (or it
-    cannot be read: check_resume_path says why, next)."""
+def _resumed_files(cfg: Config) -> dict[str, list[str]]:
+    """The file lists (corpora.file_lists' keys) of the config of the checkpoint this run resumes: data.train_files and
+    data.validation_files, or each source of data.mixture that has the same name at the same place; empty when there
+    is no checkpoint (or it cannot be read: check_resume_path says why, next)."""
+    if not cfg.checkpoint.resume:
+        return {}
     try:
-        return resumed_setting(cfg, "data", key.split(".")[1]) if cfg.checkpoint.resume else None
+        if cfg.data.mixture:
+            saved = resumed_setting(cfg, "data", "mixture") or []
+            names = [source.name for source in cfg.data.mixture]
+            return {f"data.mixture[{i}].files": s.get("files") for i, s in enumerate(saved)
+                    if isinstance(s, dict) and i < len(names) and s.get("name") == names[i]}
+        return {key: resumed_setting(cfg, "data", key.split(".")[1]) for key in FILE_KEYS}
     except (OSError, ValueError):
-        return None
+        return {}
 
 
 def check_caches(cfg: Config, env=os.environ) -> None:

@@ -38,7 +38,7 @@ SPLIT_FRACTIONS = {"train": 0.7, "validation": 0.15, "test": 0.15}
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "idlelib"}
 MIN_DOC_CHARS = 30
 MAX_DOC_CHARS = 2000
-FORMAT_VERSION = 2   # bump when the build changes, so cached copies are rebuilt
+FORMAT_VERSION = 3   # bump when the build changes, so cached copies are rebuilt
 
 
 def _stdlib_files(root: Path) -> list[Path]:
@@ -95,6 +95,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
     """Write the sample under `out_dir` (idempotent) and return its manifest:
 
     out_dir/pretrain/{train,validation}.txt   one paragraph per line
+    out_dir/pretrain/{reference,docstrings}.txt   train.txt's paragraphs by kind: the language reference, docstrings
     out_dir/classify/{train,validation,test}.jsonl   {"text": ..., "label": int, "area": str}
     out_dir/manifest.json   counts, label names, majority baseline, content hashes
     """
@@ -134,6 +135,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
 
     from pydoc_data.topics import topics   # the language reference, ~465 KB of English
     paragraphs = [re.sub(r"\s+", " ", p).strip() for key in sorted(topics) for p in topics[key].split("\n\n")]
+    reference = set(paragraphs)
     held_out = {r["text"] for s in ("validation", "test") for r in examples[s]}
     # a held-out docstring repeated elsewhere (an inherited or copied docstring) stays out too
     paragraphs = [p for p in paragraphs + pretrain_docs if len(p) >= MIN_DOC_CHARS and p not in held_out]
@@ -143,7 +145,10 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
 
     (out / "pretrain").mkdir(parents=True, exist_ok=True)
     (out / "classify").mkdir(parents=True, exist_ok=True)
-    files = {"pretrain/train.txt": pre_train, "pretrain/validation.txt": pre_val}
+    # the training paragraphs by kind, two sources for a data.mixture (recipes/tiny-mlm-modern.yaml)
+    files = {"pretrain/train.txt": pre_train, "pretrain/validation.txt": pre_val,
+             "pretrain/reference.txt": [p for p in pre_train if p in reference],
+             "pretrain/docstrings.txt": [p for p in pre_train if p not in reference]}
     for name, lines in files.items():
         (out / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
     for split, rows in examples.items():

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig, first_line, path_kind
-from .corpora import check_kinds, corrupt_file, resolve_data_files
+from .corpora import check_kinds, corrupt_file, resolve_data_files, resolve_files
 from .ranks import on_rank0
 from .tokenizing import TOKENIZE_VERSION
 
@@ -29,6 +29,8 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
     data.extra_eval_splits / data.test_splits."""
     from datasets import DatasetDict, load_dataset
 
+    if data.mixture:
+        return load_mixture(data, task, seed)
     if data.source == "sample":
         from .sample import build_sample
         build_sample(data.sample_dir)   # idempotent; call under main_process_first
@@ -67,30 +69,10 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
     elif set(raw) - {data.train_split}:
         raise ConfigError(f"data.eval_split='{data.eval_split}' not in the dataset's splits {list(raw)}")
     else:   # train is the only split: hold out a seeded share of it
-        rows, percent = len(train), data.validation_split_percentage
-        held_out = math.ceil(rows * percent / 100)   # datasets' own rounding (test: ceil, train: the rest)
-        if rows - held_out < 1:
-            raise ConfigError(f"data.validation_split_percentage={percent} of the {rows} training rows holds out "
-                              f"{held_out} for evaluation and leaves {rows - held_out} to train on (at least 1 of "
-                              "each is needed): give more rows, or an evaluation split of its own "
-                              "(data.validation_files, data.eval_split)")
-        held = train.train_test_split(test_size=data.validation_split_percentage / 100, seed=seed)
-        train, evaluation = held["train"], held["test"]
-    for name, split in (("training", train), ("evaluation", evaluation)):
-        if len(split) == 0:
-            raise ConfigError(f"the {name} split has no rows (data.source={data.source}); check the files or split names")
-    if data.max_train_samples is not None:
-        train = train.select(range(min(data.max_train_samples, len(train))))
-    if data.max_eval_samples is not None:
-        evaluation = evaluation.select(range(min(data.max_eval_samples, len(evaluation))))
-
-    columns = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
-    if task.kind == "classification":
-        columns.append(data.label_column)
-    for col in columns:
-        if col not in train.column_names:
-            raise ConfigError(f"column '{col}' not in the training data (columns: {train.column_names}); "
-                              f"set data.text_column / data.text_pair_column / data.label_column")
+        train, evaluation = hold_out(train, data, seed, "training rows", "give more rows, or an evaluation split of its own "
+                                     "(data.validation_files, data.eval_split)")
+    train, evaluation = limited(train, evaluation, data, f"data.source={data.source}")
+    check_columns(train, data, task, "the training data")
     out = {"train": train, "eval": evaluation}
     for kind, key, names in (("eval", "extra_eval_splits", data.extra_eval_splits), ("test", "test_splits", data.test_splits)):
         for name in names or []:
@@ -100,6 +82,70 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
             if kind == "eval" and data.max_eval_samples is not None:
                 split = split.select(range(min(data.max_eval_samples, len(split))))
             out[f"{kind}:{name}"] = split
+    return DatasetDict(out)
+
+
+def hold_out(train, data: DataConfig, seed: int, rows_of: str, fix: str) -> tuple:
+    """A split with no evaluation split of its own: a seeded data.validation_split_percentage of its rows held out.
+    -> (train, evaluation)."""
+    rows, percent = len(train), data.validation_split_percentage
+    held_out = math.ceil(rows * percent / 100)   # datasets' own rounding (test: ceil, train: the rest)
+    if rows - held_out < 1:
+        raise ConfigError(f"data.validation_split_percentage={percent} of the {rows} {rows_of} holds out "
+                          f"{held_out} for evaluation and leaves {rows - held_out} to train on (at least 1 of "
+                          f"each is needed): {fix}")
+    held = train.train_test_split(test_size=percent / 100, seed=seed)
+    return held["train"], held["test"]
+
+
+def limited(train, evaluation, data: DataConfig, where: str) -> tuple:
+    """Both splits have rows; data.max_train_samples and data.max_eval_samples cut each to its first rows."""
+    for name, split in (("training", train), ("evaluation", evaluation)):
+        if len(split) == 0:
+            raise ConfigError(f"the {name} split has no rows ({where}); check the files or split names")
+    if data.max_train_samples is not None:
+        train = train.select(range(min(data.max_train_samples, len(train))))
+    if data.max_eval_samples is not None:
+        evaluation = evaluation.select(range(min(data.max_eval_samples, len(evaluation))))
+    return train, evaluation
+
+
+def check_columns(train, data: DataConfig, task: TaskConfig, what: str) -> None:
+    columns = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
+    if task.kind == "classification":
+        columns.append(data.label_column)
+    for col in columns:
+        if col not in train.column_names:
+            raise ConfigError(f"column '{col}' not in {what} (columns: {train.column_names}); "
+                              f"set data.text_column / data.text_pair_column / data.label_column")
+
+
+def load_mixture(data: DataConfig, task: TaskConfig, seed: int):
+    """data.mixture: each source read with its own format's builder, its evaluation share held out (seeded), cut to
+    data.max_train_samples / data.max_eval_samples rows, its text column checked. -> DatasetDict with each source's
+    'train@<name>' and 'eval@<name>', and 'train' (every source's training rows, in the mixture's order: the
+    tokenizer a run trains reads them). Files resolved in preflight (corpora.resolve_into)."""
+    from datasets import DatasetDict, concatenate_datasets, load_dataset
+    out = {}
+    for i, source in enumerate(data.mixture):
+        key = f"data.mixture[{i}].files"
+        files = resolve_files(list(source.files), key)
+        builder = check_kinds(files)
+        try:
+            train = load_dataset(builder, data_files={"train": files}, cache_dir=data.cache_dir)["train"]
+        except Exception as err:   # as load_raw: a corrupt file is named, anything else is one line
+            corrupt = corrupt_file(files)
+            if corrupt:
+                raise ConfigError(f"{key}: {corrupt}: replace it with a good copy, or leave it out") from None
+            raise ConfigError(f"{key} (source {source.name}) cannot be read as {builder} ({type(err).__name__}: "
+                              f"{first_line(err)}); all its files need the same columns and at least one row") from None
+        train, evaluation = hold_out(train, data, seed, f"rows of source {source.name}",
+                                     f"give source {source.name} more rows ({key})")
+        train, evaluation = limited(train, evaluation, data, f"source {source.name}")
+        check_columns(train, data, task, f"source {source.name} ({key})")
+        out[f"train@{source.name}"] = train.select_columns([data.text_column])
+        out[f"eval@{source.name}"] = evaluation.select_columns([data.text_column])
+    out["train"] = concatenate_datasets([out[f"train@{s.name}"] for s in data.mixture])
     return DatasetDict(out)
 
 

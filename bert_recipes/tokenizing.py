@@ -49,7 +49,7 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig, label_names: li
     """-> DatasetDict of model inputs. Cached by datasets' fingerprint of (data, function, tokenizer)."""
     seq = data.max_seq_length
     text_cols = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
-    columns = raw["train"].column_names
+    columns = next(iter(raw.values())).column_names   # the training split's (a mixture: every source's, one column)
     tok_fp = tokenizer_fingerprint(tokenizer)
 
     if task.kind == "mlm":

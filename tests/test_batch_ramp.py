@@ -1,8 +1,9 @@
 """A batch that grows (train.global_batch_size_start -> train.global_batch_size over train.batch_rampup_tokens),
 bert_recipes/batch_ramp.py: the stages and where each step's micro batches come from (no step crosses an epoch's
 end, whatever the stages); a run logs its batch, and its lr is the run without a ramp's (the schedule counts
-steps); one halt inside a batch stage, a masking level and an epoch, resumed bit-exact on the same process count
-and within the suite's band on another (DDP 2 -> 1, ZeRO-2 1 -> 2); each bad value one line."""
+steps); one halt inside a batch stage, a masking level, a mix of two sources (data.mixture) and an epoch, resumed
+bit-exact on the same process count and within the suite's band on another (DDP 2 -> 1, ZeRO-2 1 -> 2); each bad
+value one line."""
 from __future__ import annotations
 
 import json
@@ -44,11 +45,19 @@ def test_the_stages_divide_the_full_batch_and_no_step_crosses_an_epoch(tmp_path)
 
 
 # ----------------------------------------------------------------------------- runs
-def common(shared_tokenizer, **extra):
-    """16 steps: the batch 8 for steps 0-3, 16 for 4-5, then 32; the masking rate in 8 levels of 2 steps; about
-    9 full-size steps an epoch, so the run crosses an epoch's end."""
+def mixture(sample_dir: Path) -> str:
+    """data.mixture over the sample's two kinds of text, the language reference at 3 of 4 positions."""
+    return (f"[{{name: reference, files: [{sample_dir}/pretrain/reference.txt], weight: 3}}, "
+            f"{{name: docstrings, files: [{sample_dir}/pretrain/docstrings.txt], weight: 1}}]")
+
+
+def common(shared_tokenizer, sample_dir, **extra):
+    """16 steps: the batch 8 for steps 0-3, 16 for 4-5, then 32; the masking rate in 8 levels of 2 steps; a mixture
+    of two sources (60 lines each) whose epoch is 11 full-size steps, so the run crosses an epoch's end, and whose
+    language reference, at 3 of 4 positions, runs out at step 15."""
     return {"tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 16, "checkpoint.save_every": 8,
-            "logging.log_every": 1, "data.max_train_samples": 150, "train.micro_batch_size": 4,
+            "data.source": "files", "data.mixture": mixture(sample_dir),
+            "logging.log_every": 1, "data.max_train_samples": 60, "train.micro_batch_size": 4,
             "train.global_batch_size": 32, "train.global_batch_size_start": 8, "train.batch_rampup_tokens": 2048,
             "data.mlm_probability": 0.3, "data.mlm_probability_end": 0.1, "model.hidden_dropout_prob": 0.0,
             "model.attention_probs_dropout_prob": 0.0, **extra}
@@ -63,7 +72,7 @@ def test_a_halt_inside_a_stage_a_level_and_an_epoch_resumes_bit_exact(tmp_path, 
     """One process, halted at step 5 (the batch-16 stage's second step, the masking rate's third level, the first
     epoch), resumed: the uninterrupted run's losses and weights, bit for bit. The log shows the ramp and each
     step's batch; the lr is the lr of the same run without a ramp (the schedule counts steps)."""
-    args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, **more))  # noqa: E731
+    args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, sample_dir, **more))  # noqa: E731
     run_in_process(args(tmp_path / "full"))
     run_in_process(args(tmp_path / "split", **{"train.halt_at_step": 5}))
     resumed = run_in_process(args(tmp_path / "split", **{"checkpoint.resume": "auto"}))
@@ -73,6 +82,8 @@ def test_a_halt_inside_a_stage_a_level_and_an_epoch_resumes_bit_exact(tmp_path, 
     a, b = load_file(tmp_path / "full/model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["global_batch_size"] for r in full] == [8] * 4 + [16] * 2 + [32] * 10
+    mixed = json.loads((tmp_path / "full/metrics.json").read_text())["final"]["mixture"]
+    assert resumed["mixture"] == mixed and mixed["reference"]["passes"] > 1   # the reference ran out after the halt
     assert full[-1]["epoch"] > 1 > full[5]["epoch"]   # the run crossed an epoch's end after the halt
     run_in_process(args(tmp_path / "flat", **{"train.global_batch_size_start": "null",
                                               "train.batch_rampup_tokens": "null"}))
@@ -82,8 +93,8 @@ def test_a_halt_inside_a_stage_a_level_and_an_epoch_resumes_bit_exact(tmp_path, 
 def test_a_halt_mid_ramp_resumes_on_another_process_count(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """The same halt on real processes: DDP on 2 processes halted at step 5 and resumed on 1 (accumulation 1, 2, 4
     becomes 2, 4, 8), and ZeRO-2 on 1 process halted and resumed on 2: each ends with the uninterrupted 2-process
-    run's weights within 1e-5."""
-    args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, **more))  # noqa: E731
+    run's weights within 1e-5, having read what it read from each source, and says where the reference ran out."""
+    args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **common(shared_tokenizer, sample_dir, **more))  # noqa: E731
     full = launch(2, args(tmp_path / "full"))
     assert full["final"]["num_processes"] == 2 and full["final"]["backend"]["name"] == "ddp"
     assert "8 (accum 1) for steps 0-3, 16 (accum 2) for steps 4-5, 32 (accum 4) from step 6" in (
@@ -92,6 +103,9 @@ def test_a_halt_mid_ramp_resumes_on_another_process_count(tmp_path, sample_dir, 
     one = launch(1, args(tmp_path / "ddp", **{"checkpoint.resume": "auto"}))
     assert one["final"]["num_processes"] == 1 and one["final"]["steps"] == 16
     assert_same_weights(tmp_path / "full/model/model.safetensors", tmp_path / "ddp/model/model.safetensors", TOL)
+    assert one["final"]["mixture"] == full["final"]["mixture"]
+    ran_out = "[data] source reference ran out: its pass 2 starts at step 15 (data.mixture)"
+    assert ran_out in (tmp_path / "full.log").read_text() and ran_out in (tmp_path / "ddp.log").read_text()
     launch(1, args(tmp_path / "zero2", **{"train.halt_at_step": 5}), backend="zero2")
     two = launch(2, args(tmp_path / "zero2", **{"checkpoint.resume": "auto"}), backend="zero2")
     assert two["final"]["num_processes"] == 2 and two["final"]["backend"]["name"] == "zero2"
@@ -121,17 +135,24 @@ def test_bad_values_are_one_line(tmp_path, sample_dir, datasets_cache, shared_to
 
 
 def test_the_modern_recipe_runs_on_2_processes(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
-    """recipes/tiny-mlm-modern.yaml as shipped (its ramp, masking levels, document mask and WSD), cut to 8 steps and
-    a tenth of the sample: 2 processes train, and the run says what it does in its [schedule] lines."""
-    out = tmp_path / "modern"
+    """recipes/tiny-mlm-modern.yaml as shipped (its ramp, masking levels, mix of sources, document mask and WSD), cut
+    to 8 steps and a tenth of each source (the recipe's mixture, its files in the suite's sample): 2 processes train,
+    and the run says what it does in its [schedule] and [data] lines."""
+    import yaml
+    out, recipe = tmp_path / "modern", Path(__file__).resolve().parent.parent / "recipes/tiny-mlm-modern.yaml"
+    sources = yaml.safe_load(recipe.read_text())["data"]["mixture"]
+    for source in sources:
+        source["files"] = [str(sample_dir / Path(f).relative_to("data/sample")) for f in source["files"]]
     result = launch(2, [f"run.output_dir={out}", f"data.sample_dir={sample_dir}", f"data.cache_dir={datasets_cache}",
                         f"tokenizer.name_or_path={shared_tokenizer}", "train.max_steps=8", "logging.log_every=4",
-                        "data.max_train_samples=800", "data.max_eval_samples=64", "logging.trackers=[]",
-                        "logging.progress_bar=false", "logging.plot=false"],
-                    recipe=str(Path(__file__).resolve().parent.parent / "recipes/tiny-mlm-modern.yaml"))
+                        "data.max_train_samples=400", "data.max_eval_samples=64", "logging.trackers=[]",
+                        f"data.mixture={json.dumps(sources)}",
+                        "logging.progress_bar=false", "logging.plot=false"], recipe=str(recipe))
     assert result["final"]["num_processes"] == 2 and result["final"]["steps"] == 8
     log = (tmp_path / "modern.log").read_text()
     assert "[schedule] the global batch (sequences) ramps over 1,048,576 tokens" in log
     assert "16 (accum 1) for steps 0-255, 32 (accum 2) for steps 256-383, 64 (accum 4) from step 384" in log
     assert "[schedule] the masking rate moves in 8 levels: 0.3 (K 38) from step 0" in log
     assert [r["global_batch_size"] for r in result["history"]["train"]] == [16, 16]
+    assert "[data] data.mixture: 2 sources" in log and "500 of each 1000 positions (target 50.0%" in log
+    assert sum(s["sequences"] for s in result["final"]["mixture"].values()) == 8 * 16

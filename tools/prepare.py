@@ -160,6 +160,9 @@ def main(argv=None) -> int:
         validate(cfg)
         if cfg.data.source == "prepared":
             raise ConfigError("data.source=prepared: that recipe reads prepared data; prepare from its source")
+        if cfg.data.mixture:
+            raise ConfigError("data.mixture: make prepare does not write mixtures (a mixed run tokenizes each source "
+                              "once and reads datasets' cache after): train from the sources (data.source=files)")
         for line in resolve_into(cfg.data):   # patterns and directories: the files, as a run resolves them
             print(line, flush=True)
         meta = prepare(cfg, Path(args.out))

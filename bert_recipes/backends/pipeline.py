@@ -250,12 +250,13 @@ class PipelineEngine:
                                   partition_method=self.partition)
         return self.net
 
-    def prepare(self, module, optimizer, scheduler, data, collate):
+    def prepare(self, module, optimizer, scheduler, data, collate, mixture=None):
         import deepspeed
         from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
         from torch.utils.data import BatchSampler, DataLoader
 
         from ..batching import loader_kwargs
+        from ..mixture import MixedOrder
         t = self.train_cfg
         ds_config = {k: v for k, v in self.plan.ds_config.items() if k != "pipeline"}
         ds_config.update(train_micro_batch_size_per_gpu=t.micro_batch_size, gradient_accumulation_steps=self.accum,
@@ -269,7 +270,8 @@ class PipelineEngine:
         self.replica = self.engine.grid.data_parallel_id   # PipeDataParallelTopology: data axis is fastest
         assert self.replica == (self.rank % self.replicas if self.replicas > 1 else 0)
         train_set = Indexed(data["train"])
-        self.sampler = SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.seed)
+        self.sampler = (MixedOrder(mixture) if mixture is not None else   # data.mixture: bert_recipes/mixture.py
+                        SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.seed))
         # Accelerate's own sharding, by replica rather than rank: batch i of the seedable order goes to
         # replica i % replicas (whole rounds only), so a pipeline run sees exactly the batches of a DDP
         # run with as many ranks; a resumed epoch's first batches are skipped before they are collated.

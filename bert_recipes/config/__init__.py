@@ -15,11 +15,11 @@ from .readers import (ConfigError, _yaml_twice, first_line, json_twice, load_jso
                       read_text, yaml_problem)
 from .rules import (PATH_KEYS, check_mask_rate, documents_attend_apart, grad_accum_steps, optimizer_steps, packed_dropout_here,
                     padded_batches, predictions_per_seq, repeating_shapes, resolve, schedule_warnings, validate)
-from .schema import (_RANGES, POSITIVE, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
+from .schema import (_RANGES, POSITIVE, CheckpointConfig, Config, DataConfig, LoggingConfig, MixtureSource, ModelConfig, OptimConfig,
                      Range, RunConfig, TaskConfig, TokenizerConfig, TrainConfig, ranged)
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "PATH_KEYS",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig", "MixtureSource", "ModelConfig", "OptimConfig", "PATH_KEYS",
     "POSITIVE", "Range", "RunConfig", "TaskConfig", "TokenizerConfig", "TrainConfig", "check_mask_rate", "documents_attend_apart",
     "first_line", "flat_dict",
     "grad_accum_steps", "json_twice", "load_config", "load_json", "load_yaml", "nearest_existing", "optimizer_steps",

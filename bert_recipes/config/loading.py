@@ -50,6 +50,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):   # an item of a list of mappings (data.mixture)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {', '.join(_hints(tp))}, got {type(value).__name__} {value!r}")
+        item = tp()
+        _merge(item, value, f"{key}.")
+        return item
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)

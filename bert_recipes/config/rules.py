@@ -158,6 +158,39 @@ def check_mask_rate(cfg: Config) -> None:
                           "train.compile=false")
 
 
+def check_mixture(cfg: Config) -> None:
+    """data.mixture: pretraining from local files, each source named once, with files and a positive, finite weight;
+    in place of data.train_files and data.validation_files, and not from prepared data."""
+    d = cfg.data
+    if d.mixture is None:
+        return
+    if cfg.task.kind != "mlm" or d.source != "files":
+        raise ConfigError(f"data.mixture samples pretraining sources by weight: it needs task.kind=mlm and "
+                          f"data.source=files (now task.kind={cfg.task.kind}, data.source={d.source}); make prepare "
+                          "does not write mixtures: remove data.mixture, or set both")
+    if d.train_files or d.validation_files:
+        raise ConfigError("data.mixture and data.train_files / data.validation_files are both set: the mixture's "
+                          "sources are the training files, each holding out data.validation_split_percentage for "
+                          "evaluation; give the files as sources of data.mixture and remove the others")
+    if not d.mixture:
+        raise ConfigError("data.mixture is an empty list: give at least one {name, files, weight}, or remove it")
+    seen = set()
+    for i, source in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        if not source.name or not all(c.isalnum() or c in "-_." for c in source.name):
+            raise ConfigError(f"{key}.name={source.name!r}: give each source a name of letters, digits, '-', '_' or '.' "
+                              "(metrics are reported as <name>/eval_loss)")
+        if source.name in seen:
+            raise ConfigError(f"{key}.name={source.name!r} names two sources: give each its own name")
+        seen.add(source.name)
+        if not source.files:
+            raise ConfigError(f"{key}.files is empty (source {source.name}): give its files, directories or patterns")
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            raise ConfigError(f"{key}.weight={source.weight} (source {source.name}) must be positive and finite (the "
+                              "weights are shares of the stream, relative to each other); remove a source to leave "
+                              "it out")
+
+
 def repeating_shapes(cfg: Config) -> bool:
     """Do the training batches take a fixed set of shapes (so torch.compile can compile each once, with
     dynamic=False)? Packed MLM blocks with K predictions (or the dense head) have one shape; padded
@@ -208,8 +241,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.source=hub needs data.dataset_name (e.g. wikitext or glue)")
     if d.source == "prepared" and not d.prepared_dir:
         raise ConfigError("data.source=prepared needs data.prepared_dir (a directory written by make prepare)")
-    if d.source == "files" and not d.train_files:
-        raise ConfigError("data.source=files needs data.train_files")
+    if d.source == "files" and not d.train_files and d.mixture is None:
+        raise ConfigError("data.source=files needs data.train_files (or data.mixture: sources by weight)")
     if cfg.task.kind == "classification":
         if m.name_or_path is None and cfg.tokenizer.name_or_path is None:
             raise ConfigError("classification needs a tokenizer: set model.name_or_path (a pretrained "
@@ -229,6 +262,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.metric_for_best={best} is not among this task's evaluation metrics {reported}")
     check_documents(cfg)
     check_mask_rate(cfg)
+    check_mixture(cfg)
     if cfg.checkpoint.push_to_hub and not (cfg.checkpoint.hub_model_id and cfg.checkpoint.export):
         raise ConfigError("checkpoint.push_to_hub needs checkpoint.hub_model_id (user-or-org/name) and "
                           "checkpoint.export: true")
