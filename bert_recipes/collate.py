@@ -36,6 +36,20 @@ def uniform_field(bits: torch.Tensor, shift: int, width: int) -> torch.Tensor:
     return ((bits >> shift) & ((1 << width) - 1)).to(torch.float32) / float(1 << width)
 
 
+class SharedInt:
+    """An int attribute held in shared memory (a one-element tensor, `_<name>` on the instance), so DataLoader worker
+    processes that persist see what the loop sets; a copy gets its own (MLMCollator.__copy__)."""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else int(getattr(obj, self.slot)[0])
+
+    def __set__(self, obj, value: int):
+        getattr(obj, self.slot)[0] = value
+
+
 class MLMCollator:
     """Stacks (packed blocks) or pads a batch and masks `mlm_probability` of its non-special tokens:
     80% [MASK], 10% a random token, 10% unchanged. Labels are -100 everywhere else.
@@ -80,21 +94,8 @@ class MLMCollator:
             pieces = tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
             self.continuation = torch.tensor([p is not None and p.startswith("##") for p in pieces])
 
-    @property
-    def epoch(self) -> int:
-        return int(self._epoch[0])
-
-    @epoch.setter
-    def epoch(self, value: int):
-        self._epoch[0] = value
-
-    @property
-    def level(self) -> int:
-        return int(self._level[0])
-
-    @level.setter
-    def level(self, value: int):
-        self._level[0] = value
+    epoch = SharedInt()   # the epoch masks are drawn for
+    level = SharedInt()   # which of `levels` masks now
 
     @property
     def mlm_probability(self) -> float:

@@ -202,7 +202,8 @@ def same_files_on_every_rank(data: DataConfig, group) -> None:
     low, high = spread(digest, group)
     if low != high:
         here = f"rank {os.environ.get('RANK', '0')}: {len(files)} file{'s' * (len(files) > 1)}, {_size(sum(sizes))}"
-        raise ConfigError(f"{', '.join(file_lists(data))}: the ranks resolved different files ({here}; another rank's node "
+        keys = "data.mixture's files" if data.mixture else ", ".join(FILE_KEYS)
+        raise ConfigError(f"{keys}: the ranks resolved different files ({here}; another rank's node "
                           "sees other names or sizes): give every node the same files (a shared filesystem, or "
                           "complete copies on each node)")
 

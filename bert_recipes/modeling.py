@@ -126,11 +126,7 @@ class RecipeBertForMaskedLM(BertForMaskedLM):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         super().save_pretrained(save_directory, *args, **kwargs)
-        config_file = Path(save_directory) / "config.json"
-        if config_file.exists():   # exported as what it is: a BertForMaskedLM
-            config = json.loads(config_file.read_text())
-            config["architectures"] = ["BertForMaskedLM"]
-            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        exported_as(save_directory, "BertForMaskedLM")
 
 
 class RecipeBertForSequenceClassification(BertForSequenceClassification):
@@ -157,11 +153,17 @@ class RecipeBertForSequenceClassification(BertForSequenceClassification):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         super().save_pretrained(save_directory, *args, **kwargs)
-        config_file = Path(save_directory) / "config.json"
-        if config_file.exists():   # exported as what it is: a BertForSequenceClassification
-            config = json.loads(config_file.read_text())
-            config["architectures"] = ["BertForSequenceClassification"]
-            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        exported_as(save_directory, "BertForSequenceClassification")
+
+
+def exported_as(save_directory, architecture: str) -> None:
+    """An export's config.json names the plain transformers class it loads as (the recipe's subclasses change no
+    weight)."""
+    config_file = Path(save_directory) / "config.json"
+    if config_file.exists():
+        config = json.loads(config_file.read_text())
+        config["architectures"] = [architecture]
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def document_kwargs(model, document_ids, cu_seqlens, max_seqlen) -> dict:
