@@ -1,4 +1,4 @@
-"""AdamW or LAMB with decoupled weight decay, the device-side skip of a step that is not finite (skip_update_if, the
+"""AdamW, LAMB or StableAdamW with decoupled weight decay, the device-side skip of a step that is not finite (skip_update_if, the
 optimizers' found_inf), and a warmup + decay schedule (warmup-stable-decay among them)."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from .config import OptimConfig
 
 
 def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.optim.Optimizer:
-    """AdamW (optim.name: adamw) or LAMB (lamb); biases and LayerNorm weights get no weight decay.
+    """AdamW (optim.name: adamw), LAMB (lamb) or StableAdamW (stable_adamw); biases and LayerNorm weights get no
+    weight decay.
     The recipe owns the maths; the backend picks the implementation: torch's fused AdamW kernel (CUDA
     and CPU; optim.fused=false: the foreach multi-tensor one), and under ZeRO offload
     (offloaded: the step runs on the CPU) DeepSpeed's vectorised CPU Adam (optim.cpu_adam)."""
@@ -23,6 +24,8 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
               {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, trust_ratio=cfg.lamb_trust_ratio)
+    if cfg.name == "stable_adamw":
+        return StableAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if offloaded and cfg.cpu_adam:
         from .backends.deepspeed import cpu_adam
         return cpu_adam(groups, cfg)
@@ -107,16 +110,83 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_addcmul_(params, updates, scale.unbind())
 
     def _state(self, p) -> dict:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        step = state["step"]
-        if not torch.is_tensor(step) or step.dtype != torch.float32 or step.device != p.device:
-            # a checkpoint from before: a Python number, or a float64 count (what the fused kernel cannot read)
-            state["step"] = torch.as_tensor(step, dtype=torch.float32, device=p.device).clone()
-        return state
+        return _adam_state(self.state[p], p)
+
+
+class StableAdamW(torch.optim.Optimizer):
+    """StableAdamW (Wortsman et al. 2023, "Stable and low-precision training for large-scale vision-language
+    models"), as ModernBERT trains with torch-optimi's (decouple_lr=True): AdamW with debiased moments, whose step
+    size each tensor clips by its own update RMS. At step t, with b(beta) = (beta^t - beta) / (beta^t - 1):
+        m <- b(beta1) m + (1 - b(beta1)) g,   v <- b(beta2) v + (1 - b(beta2)) g^2
+        rms = sqrt(mean(g^2 / max(v, eps^2)))   (the updated v; a tensor's RMS)
+        lr_t = lr / max(1, rms)
+        p <- p (1 - (lr_t / max_lr) weight_decay)   (fully decoupled: max_lr is the recipe's optim.lr)
+        p <- p - lr_t m / (sqrt(v) + eps)
+    A gradient spike (g^2 far above v's history) thus shrinks that tensor's step instead of throwing it far.
+    Multi-tensor (foreach) ops for a whole group and the debiasing, clip and skip as device tensors: no .item(),
+    so the host never waits (torch-optimi reads each tensor's RMS on the host). A step where `self.found_inf` is
+    non-zero changes nothing: moments, step counts and weights keep their values. The RMS needs whole tensors:
+    ZeRO and FSDP, which hand the optimizer shards, are refused (backends/consistency.py).
+    tests/test_references.py checks it step by step against torch-optimi 0.3.3's StableAdamW."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-6, weight_decay: float = 0.0,
+                 max_lr: float | None = None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_lr=max_lr or lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        found_inf = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                skip = None if found_inf is None else found_inf.to(device=params[0].device, dtype=torch.float32)
+                self._group_step(group, params, skip)
+        return loss
+
+    def _group_step(self, group: dict, params: list, skip) -> None:
+        beta1, beta2 = group["betas"]
+        states = [_adam_state(self.state[p], p) for p in params]
+        steps = [s["step"] for s in states]
+        m, v = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        grads = [p.grad for p in params]
+        keep = None if skip is None else skip == 0
+        if keep is not None:   # a skipped step's gradients may be NaN: none of it reaches the moments (the one
+            zero = torch.zeros((), dtype=grads[0].dtype, device=grads[0].device)   # per-tensor op of the step)
+            grads = [torch.where(keep, g, zero) for g in grads]
+        torch._foreach_add_(steps, [1.0 - skip] * len(steps) if skip is not None else 1.0)
+        t = torch.stack(steps).clamp(min=1.0)
+        hats = [(beta ** t - beta) / (beta ** t - 1) for beta in (beta1, beta2)]   # 0 at step 1: m = g, v = g^2
+        if keep is not None:   # a skipped step keeps the moments: weight 1 on the old ones
+            hats = [torch.where(keep, h, 1.0) for h in hats]
+        torch._foreach_mul_(m, hats[0].unbind())
+        torch._foreach_add_(m, torch._foreach_mul(grads, (1 - hats[0]).unbind()))
+        torch._foreach_mul_(v, hats[1].unbind())
+        torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(grads, grads), (1 - hats[1]).unbind()))
+        # rms = sqrt(mean(g^2 / max(v, eps^2))) = ||g / sqrt(max(v, eps^2))|| / sqrt(numel): one norm call a group
+        ratios = torch._foreach_div(grads, torch._foreach_sqrt(torch._foreach_maximum(v, group["eps"] ** 2)))
+        rms = torch.stack(torch._foreach_div(torch._foreach_norm(ratios), [math.sqrt(p.numel()) for p in params]))
+        scale = group["lr"] / rms.clamp(min=1.0)
+        if skip is not None:
+            scale = torch.where(keep, scale, 0.0)
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, (1 - scale * (group["weight_decay"] / group["max_lr"])).unbind())
+        denominators = torch._foreach_sqrt(v)
+        torch._foreach_add_(denominators, group["eps"])
+        torch._foreach_addcmul_(params, torch._foreach_div(m, denominators), (-scale).unbind())
+
+
+def _adam_state(state: dict, p) -> dict:
+    """A parameter's step count (float32 on its device) and first and second moments, made on its first step."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    step = state["step"]
+    if not torch.is_tensor(step) or step.dtype != torch.float32 or step.device != p.device:
+        # a checkpoint from before: a Python number, or a float64 count (what the fused kernel cannot read)
+        state["step"] = torch.as_tensor(step, dtype=torch.float32, device=p.device).clone()
+    return state
 
 
 def total_norm(norm):

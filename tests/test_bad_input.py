@@ -205,6 +205,10 @@ CASES = [
     ("LAMB under ZeRO", lambda c, m: (_ds_env(c, m, '{"zero_optimization": {"stage": 2}}'),
                                       c.args(**{"optim.name": "lamb"}))[1],
      "optim.name=lamb needs whole parameter tensors"),
+    ("StableAdamW under ZeRO offload", lambda c, m: (_ds_env(c, m, '{"zero_optimization": {"stage": 2, '
+                                                                  '"offload_optimizer": {"device": "cpu"}}}'),
+                                                     c.args(**{"optim.name": "stable_adamw"}))[1],
+     "optim.name=stable_adamw needs whole parameter tensors for its per-tensor update RMS, but ZeRO-2 hands"),
 ]
 
 

@@ -76,12 +76,13 @@ def test_what_the_run_read_leaves_out_each_epochs_unread_tail():
 
 def test_a_mixed_run_reports_each_source(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
     """One process, 24 steps of 16 sequences over the sample's reference (weight 3) and docstrings (weight 1): each
-    source's evaluation and the overall one; metrics.json's sequences and tokens per source, as the order gave them
-    and within sampling noise of the weights; a line where the reference runs out; the [data] line."""
+    source's evaluation and the overall one; metrics.json's sequences and tokens per source within sampling noise of
+    the weights, and the trackers' (TensorBoard's) at each log step; a line where the reference runs out; the [data]
+    line."""
     out = tmp_path / "mix"
     final = run_in_process(tiny_args(out, sample_dir, datasets_cache, **{
         "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.mixture": mixture(sample_dir),
-        "data.max_train_samples": 60, "train.eval_every": 12}))
+        "data.max_train_samples": 60, "train.eval_every": 12, "logging.trackers": "[tensorboard]"}))
     printed = capsys.readouterr().out
     cfg = load_config(None, tiny_args(out, sample_dir, datasets_cache))
     seen = final["mixture"]
@@ -104,6 +105,13 @@ def test_a_mixed_run_reports_each_source(tmp_path, sample_dir, datasets_cache, s
     ran_out = [line for line in printed.splitlines() if line.startswith("[data] source reference ran out")]
     assert ran_out and "its pass 2 starts at step" in ran_out[0]
     assert seen["reference"]["passes"] > 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(next((out / "logs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    for name in ("reference", "docstrings"):   # the trackers: tokens per source at each log step, growing to the final
+        points = events.Scalars(f"train/tokens/{name}")
+        assert [p.step for p in points] == [4, 8, 12, 16, 20, 24] and points[-1].value == seen[name]["tokens"]
+        assert all(a.value < b.value for a, b in zip(points, points[1:]))
 
 
 def test_bad_mixtures_are_one_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):

@@ -1,5 +1,8 @@
 """Checked against implementations nobody here wrote.
 
+StableAdamW against torch-optimi's (requirements-references.txt, as timm): step by step with a gradient spike
+that engages the clip, and the count of host reads (ours none, theirs one a tensor).
+
 LAMB against timm's Lamb (requirements-references.txt: installed by `make setup` with pip --no-deps into
 .venv/references, outside sys.path, because accelerate's CLI imports timm whenever it is importable and
 timm needs torchvision; only timm/optim/lamb.py and the two files it imports are loaded, by path).
@@ -20,6 +23,7 @@ import collections
 import importlib.util
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -134,6 +138,101 @@ def test_the_two_rules_differ_where_weight_decay_is_zero():
             assert same == bool(group["weight_decay"]), names[id(p)]
 
 
+# ----------------------------------------------------------------------------- StableAdamW against torch-optimi's
+OPTIMI = REPO / ".venv/references/optimi"
+
+
+def optimi_stableadamw():
+    """torch-optimi's StableAdamW (what ModernBERT imports), its package registered by path without its __init__
+    (which imports every optimizer it has): only optimi/stableadamw.py and the modules it imports load."""
+    if not (OPTIMI / "stableadamw.py").exists():
+        pytest.fail(f"{OPTIMI / 'stableadamw.py'} is missing: run `make setup` (requirements-references.txt)")
+    if "optimi.stableadamw" not in sys.modules:
+        package = types.ModuleType("optimi")
+        package.__path__ = [str(OPTIMI)]
+        sys.modules["optimi"] = package
+        __import__("optimi.stableadamw")
+    return sys.modules["optimi.stableadamw"].StableAdamW
+
+
+def ours_and_optimi():
+    """The tiny BERT under the recipe's StableAdamW (build_optimizer's groups, ModernBERT's settings) and a copy
+    under torch-optimi's, as ModernBERT builds it (decouple_lr=True, max_lr = the recipe's lr, one loop a tensor)."""
+    from bert_recipes.config import OptimConfig
+    from bert_recipes.optim import build_optimizer
+    cfg = OptimConfig(name="stable_adamw", lr=1e-2, betas=[0.9, 0.98], eps=1e-6, weight_decay=0.01)
+    ours, theirs = tiny_bert(), tiny_bert()
+    optimizer = build_optimizer(ours, cfg)
+    names = {id(p): n for n, p in ours.named_parameters()}
+    by_name = dict(theirs.named_parameters())
+    groups = [{"params": [by_name[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+              for g in optimizer.param_groups]
+    with warnings.catch_warnings():   # torch-optimi warns that 0.01 is a high decay for decouple_lr: here it shows
+        warnings.simplefilter("ignore")
+        reference = optimi_stableadamw()(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                         weight_decay=cfg.weight_decay, decouple_lr=True, max_lr=cfg.lr,
+                                         foreach=False, kahan_sum=False, triton=False)
+    return ours, optimizer, theirs, reference
+
+
+def adamw_debiased(p, grad, state, step, lr, betas, eps, weight_decay):
+    """The control: StableAdamW's step without its clip (lr_t = lr whatever the RMS)."""
+    (b1, b2), t = betas, step
+    h1, h2 = (b1 ** t - b1) / (b1 ** t - 1), (b2 ** t - b2) / (b2 ** t - 1)
+    state["m"] = state.get("m", torch.zeros_like(p)) * h1 + grad * (1 - h1)
+    state["v"] = state.get("v", torch.zeros_like(p)) * h2 + grad * grad * (1 - h2)
+    p.mul_(1 - weight_decay).sub_(lr * state["m"] / (state["v"].sqrt() + eps))
+
+
+def test_stable_adamw_matches_torch_optimis_with_a_spike_that_engages_the_clip():
+    """8 steps on the tiny BERT's two groups (decay 0.01 and none), the same gradients on both sides: every
+    parameter equal to float32 rounding after each step. Steps 0-3 repeat one gradient, so v = g^2 and the RMS is
+    exactly 1: the clip is idle, and the control (the same rule without the clip) keeps up; a run of such steps
+    alone could not tell the clip is there. Step 4's gradients of two tensors are 300x: their RMS passes 1, the clip
+    shrinks their step, and the control misses the reference. Step 6 is skipped (found_inf = 1, NaN gradients):
+    nothing moves, and the reference never sees it."""
+    ours, optimizer, theirs, reference = ours_and_optimi()
+    control_model = tiny_bert()
+    control, control_state = list(control_model.parameters()), [{} for _ in control_model.parameters()]
+    decays = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    optimizer.found_inf = torch.zeros(())
+    g = torch.Generator().manual_seed(1)
+    mine, ref = list(ours.parameters()), list(theirs.parameters())
+    spiked = [i for i, p in enumerate(mine) if p.ndim == 2][:2]
+    counted = 0
+    steady = [torch.randn(p.shape, generator=g) * 0.1 for p in mine]
+    for step in range(8):   # steps 0-3: the same gradients (v = g^2, the RMS exactly 1); then a spike, then noise
+        grads = [x.clone() for x in steady] if step < 4 else [torch.randn(p.shape, generator=g) * 0.1 for p in mine]
+        if step == 6:
+            before = [p.clone() for p in mine]
+            for p in mine:
+                p.grad = torch.full_like(p, float("nan"))
+            optimizer.found_inf = torch.ones(())
+            optimizer.step()
+            optimizer.found_inf = torch.zeros(())
+            assert all(torch.equal(a, b) for a, b in zip(mine, before)), "a skipped step moved a weight"
+            assert all(torch.isfinite(s["exp_avg"]).all() and s["step"].item() == 6 for s in optimizer.state.values())
+            continue
+        if step == 4:
+            for i in spiked:
+                grads[i] = grads[i] * 300
+        counted += 1
+        for a, b, grad in zip(mine, ref, grads):
+            a.grad, b.grad = grad.clone(), grad.clone()
+        for i, (c, grad) in enumerate(zip(control, grads)):
+            adamw_debiased(c.data, grad, control_state[i], counted, 1e-2, (0.9, 0.98), 1e-6,
+                           0.01 if decays[id(mine[i])] else 0.0)
+        optimizer.step()
+        reference.step()
+        for a, b in zip(mine, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        missed = max((c - b).abs().max().item() for c, b in zip(control, ref))
+        if step < 4:   # the same gradients: the RMS is 1, the clip idle, and the control keeps up
+            assert missed < 1e-6, (step, missed)
+        if step == 4:   # the spike: the clip engages (RMS about 2.2), and a rule without it is far off
+            assert missed > 1e-3, missed
+
+
 class OperatorCalls(torch.utils._python_dispatch.TorchDispatchMode):
     """Every operator call at the top of the dispatcher: a foreach op is one call here, whatever the
     number of tensors it takes (a CPU kernel may then loop over them below this level)."""
@@ -173,6 +272,28 @@ def test_a_lamb_step_makes_as_many_operator_calls_for_bert_base_as_for_two_layer
     assert calls_12 == calls_2 <= 40, by_op
     assert "aten._local_scalar_dense.default" not in by_op and "aten.item.default" not in by_op, by_op
     print(f"LAMB step on BERT-base's parameter list ({tensors_12} tensors, 2 groups): {calls_12} operator calls")
+
+
+def test_a_stable_adamw_step_reads_nothing_on_the_host_and_torch_optimis_does():
+    """The whole step on the device: no operator of ours reads a value on the host (torch-optimi's reads each
+    tensor's RMS with .item(): the positive control that the count sees a host read); the rule is multi-tensor, its
+    one per-tensor call the skip's select of the gradients (found_inf set, as the engine sets it every step)."""
+    ours, optimizer, theirs, reference = ours_and_optimi()
+    optimizer.found_inf = torch.zeros(())
+    counts = []
+    for model, step in ((ours, optimizer.step), (theirs, reference.step)):
+        for _ in range(2):   # the second step: the state exists
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            mode = OperatorCalls()
+            with mode:
+                step()
+        counts.append(mode.calls)
+    host = ("aten._local_scalar_dense.default", "aten.item.default")
+    assert not any(op in counts[0] for op in host), counts[0]
+    assert any(op in counts[1] for op in host), counts[1]
+    tensors = len(list(ours.parameters()))
+    assert counts[0]["aten.where.self"] == tensors + 3 * 2 and sum(counts[0].values()) <= tensors + 60 * 2, counts[0]
 
 
 def test_a_float64_step_count_from_an_old_checkpoint_resumes():
@@ -245,3 +366,25 @@ def test_train_py_learns_what_the_trainer_learns_and_its_worse_controls_do_not(t
     for control in ("quarter-lr", "half-labels"):
         d = verdicts[f"train.py {control}"]["d"]
         assert list(d) == ["1"] and d["1"] > BAND[1], (control, d, BAND)
+
+
+def test_a_stable_adamw_run_resumes_bit_exact(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """train.py with optim.name=stable_adamw (ModernBERT's betas and eps), halted at step 6 and resumed: the
+    uninterrupted run's losses and weights, bit for bit (the moments, step counts and max_lr travel in the
+    checkpoint); and the loss falls."""
+    import json
+
+    from conftest import run_in_process, tiny_args
+    args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **{  # noqa: E731
+        "tokenizer.name_or_path": shared_tokenizer, "optim.name": "stable_adamw", "optim.betas": "[0.9, 0.98]",
+        "optim.eps": 1e-6, "train.max_steps": 12, "checkpoint.save_every": 6, "logging.log_every": 2,
+        "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0, **more})
+    run_in_process(args(tmp_path / "full"))
+    run_in_process(args(tmp_path / "split", **{"train.halt_at_step": 6}))
+    run_in_process(args(tmp_path / "split", **{"checkpoint.resume": "auto"}))
+    losses = [[r["loss"] for r in json.loads((tmp_path / name / "metrics.json").read_text())["history"]["train"]]
+              for name in ("full", "split")]
+    assert losses[0] == losses[1] and losses[0][-1] < losses[0][0] - 0.3, losses
+    from safetensors.torch import load_file
+    a, b = load_file(tmp_path / "full/model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)

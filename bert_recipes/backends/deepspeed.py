@@ -28,7 +28,7 @@ from .plan import LaunchPlan
 
 # DeepSpeed's own Lamb is not the recipe's: its FusedLamb applies the trust ratio to every tensor, clamped to
 # [0.01, 10] (ops/lamb/fused_lamb.py, 0.19.8); the recipe's LAMB (optim.py) runs where the JSON names none.
-DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": ()}
+DS_OPTIMIZERS = {"adamw": ("adam", "adamw"), "lamb": (), "stable_adamw": ()}   # DeepSpeed has no StableAdamW
 DS_SCHEDULES = {"linear": "WarmupDecayLR", "constant": "WarmupLR", "cosine": "WarmupCosineLR"}
 
 

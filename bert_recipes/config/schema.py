@@ -263,9 +263,11 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "lamb"] = "adamw"
-    """adamw, or lamb for very large batches (NVIDIA's BERT: global 64k/32k with LAMB). LAMB's
-    per-layer trust ratio needs whole parameter tensors: DDP only (not ZeRO, FSDP or a ZeRO pipeline)."""
+    name: Literal["adamw", "lamb", "stable_adamw"] = "adamw"
+    """adamw; lamb for very large batches (NVIDIA's BERT: global 64k/32k with LAMB); stable_adamw, ModernBERT's
+    (AdamW with debiased moments whose step each tensor clips by its update RMS; ModernBERT: betas [0.9, 0.98],
+    eps 1e-6; weight decay fully decoupled, scaled by lr / optim.lr). LAMB's trust ratio and StableAdamW's RMS need
+    whole parameter tensors: DDP only (not ZeRO, its offload, FSDP or a ZeRO pipeline)."""
     lamb_trust_ratio: Literal["decayed", "all"] = "decayed"
     """Where LAMB scales the update by the trust ratio ||w|| / ||u||. decayed: only the tensors with weight
     decay (apex FusedLAMB's default use_nvlamb=False, NVIDIA's BERT pretraining, timm's always_adapt=False);
