@@ -161,3 +161,27 @@ a dense head, is not DDP's: no loss compares). (Its resume
     one = run_in_process(args("one"))
     assert one["mixture"] == piped["final"]["mixture"] and one["eval_samples"] == piped["final"]["eval_samples"]
     assert {"reference/eval_loss", "docstrings/eval_loss"} <= set(piped["final"])
+
+
+def test_a_resume_reads_the_shards_each_source_read(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
+    """A source named by a pattern over gzip shards, halted at step 4; a shard added to it before the resume: the
+    resume reads the source's first 3 shards, in their order, with one line, and ends as the uninterrupted run."""
+    import gzip
+    lines = (sample_dir / "pretrain/reference.txt").read_text().splitlines()[:240]
+    (tmp_path / "shards").mkdir()
+    for i in range(3):
+        (tmp_path / f"shards/part-{i}.txt.gz").write_bytes(gzip.compress("\n".join(lines[i::3]).encode() + b"\n"))
+    sources = (f"[{{name: shards, files: ['{tmp_path}/shards/*.txt.gz'], weight: 1}}, "
+               f"{{name: docstrings, files: [{sample_dir}/pretrain/docstrings.txt], weight: 1}}]")
+    args = lambda name, **more: tiny_args(tmp_path / name, sample_dir, datasets_cache, **{  # noqa: E731
+        "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.mixture": sources,
+        "data.max_train_samples": 80, "train.max_steps": 8, "checkpoint.save_every": 4,
+        "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0, **more})
+    full = run_in_process(args("full"))
+    run_in_process(args("split", **{"train.halt_at_step": 4}))
+    (tmp_path / "shards/part-3.txt.gz").write_bytes(gzip.compress(b"a shard added later\n" * 50))
+    capsys.readouterr()
+    resumed = run_in_process(args("split", **{"checkpoint.resume": "auto"}))
+    printed = capsys.readouterr().out
+    assert "[resume] data.mixture[0].files:" in printed and "the resume reads that run's 3 files" in printed, printed
+    assert resumed["mixture"] == full["mixture"] and resumed["eval_loss"] == full["eval_loss"]
