@@ -15,8 +15,8 @@ from .plan import LaunchPlan, bf16_supported, local_capability, pipeline_replica
 
 
 # Optimizers whose rule reads each parameter tensor whole, and what for: ZeRO and FSDP hand them shards
-WHOLE_TENSORS = {"lamb": "its per-layer trust ratio (DeepSpeed itself lists LAMB as untested with ZeRO)",
-                 "stable_adamw": "its per-tensor update RMS"}
+WHOLE_TENSORS = {"lamb": ("its per-layer trust ratio", " (DeepSpeed itself lists LAMB as untested with ZeRO)"),
+                 "stable_adamw": ("its per-tensor update RMS", "")}
 
 def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int, has_cuda: bool,
                       capability: tuple[int, int] | None = None) -> None:
@@ -37,8 +37,9 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
         conflicts.append("FSDP and DeepSpeed are both enabled: pick one accelerate config")
     if o.name in WHOLE_TENSORS and (plan.fsdp or plan.zero_stage >= 1):
         what = "FSDP shards each parameter" if plan.fsdp else f"ZeRO-{plan.zero_stage} hands the optimizer flat shards"
-        conflicts.append(f"optim.name={o.name} needs whole parameter tensors for {WHOLE_TENSORS[o.name]}, but {what}: "
-                         "use a DDP config, or optim.name=adamw")
+        rule, note = WHOLE_TENSORS[o.name]
+        conflicts.append(f"optim.name={o.name} needs whole parameter tensors for {rule}, but {what}{note}: use a DDP "
+                         "config, or optim.name=adamw")
     if t.mixed_precision == "fp16" and not has_cuda:
         conflicts.append("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU Accelerate would silently train "
                          "in fp32. Use bf16 (supported on CPU) or no")
