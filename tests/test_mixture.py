@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from bert_recipes.config import load_config
-from bert_recipes.mixture import BLOCK, Mixture
+from bert_recipes.mixture import BLOCK, MixedOrder, Mixture
 from conftest import refused_in_process, run_in_process, tiny_args
 from test_batch_ramp import mixture
 
@@ -35,6 +35,9 @@ def test_the_order_is_arithmetic_on_the_position():
     flat = sum((m.order(e) for e in range(4)), [])
     assert small_mixture().order(3) == flat[3 * n:]   # an epoch alone, computed without the ones before it
     assert small_mixture(seed=8).order(0) != flat[:n]
+    sampler = MixedOrder(m)   # the loader's sampler: the same ids, read from an array
+    sampler.set_epoch(2)
+    assert list(sampler) == flat[2 * n:3 * n] and len(sampler) == n
     assert m.slots == (667, 222, 111)   # 1000 x 3/4.5, 1/4.5, 0.5/4.5, by largest remainders
     labels = np.array([source_of(i) for i in flat])
     for p in (0, 1, 999, BLOCK, BLOCK + 1, 1234, 2 * n + 5, len(flat)):
