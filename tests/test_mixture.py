@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 
@@ -91,10 +92,16 @@ def test_a_mixed_run_reports_each_source(tmp_path, sample_dir, datasets_cache, s
     seen = final["mixture"]
     positions = 24 * 16
     assert sum(s["sequences"] for s in seen.values()) == positions
+    sizes = {name: int(n.replace(",", "")) for name, n in re.findall(r"(\w+) ([\d,]+) train / ", printed)}
     for name, weight in (("reference", 0.75), ("docstrings", 0.25)):
         share = seen[name]["sequences"] / positions
         assert seen[name]["target_share"] == weight
-        assert abs(share - weight) < 3 * math.sqrt(weight * (1 - weight) / positions), (name, share)   # 3 sigma
+        # the run's positions fall in one block of 1000, whose slots are shuffled: a hypergeometric draw of
+        # `positions` of them, 3 sigma about 0.05 here
+        band = 3 * math.sqrt(weight * (1 - weight) / positions * (BLOCK - positions) / (BLOCK - 1))
+        assert abs(share - weight) < band, (name, share, band)
+        unweighted = sizes[name] / sum(sizes.values())   # the control: a sampler that ignored the weights
+        assert abs(unweighted - weight) > band, (name, unweighted, band)
         assert seen[name]["tokens"] == seen[name]["sequences"] * cfg.data.max_seq_length   # packed: full blocks
         for key in ("eval_loss", "mlm_accuracy", "eval_samples"):
             assert key in final and f"{name}/{key}" in final

@@ -84,6 +84,20 @@ def ours_and_timm(trust_ratio: str):
     return ours, optimizer, theirs, reference
 
 
+def assert_a_skipped_step_changes_nothing(optimizer, params: list, steps_before: int) -> None:
+    """A step with NaN gradients and found_inf = 1 (what the engine sets for a non-finite step): no weight moves,
+    the moments stay finite and no step count advances."""
+    before = [p.clone() for p in params]
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    optimizer.found_inf = torch.ones(())
+    optimizer.step()
+    optimizer.found_inf = torch.zeros(())
+    assert all(torch.equal(a, b) for a, b in zip(params, before)), "a skipped step moved a weight"
+    assert all(torch.isfinite(s["exp_avg"]).all() and torch.isfinite(s["exp_avg_sq"]).all()
+               and s["step"].item() == steps_before for s in optimizer.state.values())
+
+
 @pytest.mark.parametrize("trust_ratio", ["decayed", "all"])
 def test_lamb_matches_timms_lamb_on_bert_parameter_groups(trust_ratio):
     """8 steps on a tiny BERT's two groups (weights with decay 0.01; biases and LayerNorm, non-zero, with
@@ -97,15 +111,7 @@ def test_lamb_matches_timms_lamb_on_bert_parameter_groups(trust_ratio):
     for step in range(8):
         grads = [torch.randn(p.shape, generator=g) * 0.1 for p in mine]
         if step == 5:
-            before = [p.clone() for p in mine]
-            for p in mine:
-                p.grad = torch.full_like(p, float("nan"))
-            optimizer.found_inf = torch.ones(())
-            optimizer.step()
-            optimizer.found_inf = torch.zeros(())
-            assert all(torch.equal(a, b) for a, b in zip(mine, before)), "a skipped step moved a weight"
-            assert all(torch.isfinite(s["exp_avg"]).all() and torch.isfinite(s["exp_avg_sq"]).all()
-                       and s["step"].item() == 5 for s in optimizer.state.values())
+            assert_a_skipped_step_changes_nothing(optimizer, mine, steps_before=5)
             continue
         for a, b, grad in zip(mine, ref, grads):
             a.grad, b.grad = grad.clone(), grad.clone()
@@ -204,14 +210,7 @@ def test_stable_adamw_matches_torch_optimis_with_a_spike_that_engages_the_clip()
     for step in range(8):   # steps 0-3: the same gradients (v = g^2, the RMS exactly 1); then a spike, then noise
         grads = [x.clone() for x in steady] if step < 4 else [torch.randn(p.shape, generator=g) * 0.1 for p in mine]
         if step == 6:
-            before = [p.clone() for p in mine]
-            for p in mine:
-                p.grad = torch.full_like(p, float("nan"))
-            optimizer.found_inf = torch.ones(())
-            optimizer.step()
-            optimizer.found_inf = torch.zeros(())
-            assert all(torch.equal(a, b) for a, b in zip(mine, before)), "a skipped step moved a weight"
-            assert all(torch.isfinite(s["exp_avg"]).all() and s["step"].item() == 6 for s in optimizer.state.values())
+            assert_a_skipped_step_changes_nothing(optimizer, mine, steps_before=6)
             continue
         if step == 4:
             for i in spiked:
