@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Shape:
-    """The numbers of a BertConfig that decide memory."""
+    """The numbers of a model config that decide memory (its architecture's file lists the parameters:
+    bert_recipes/architectures/<name>.py's `parameters`)."""
     vocab: int
     hidden: int
     layers: int
@@ -19,31 +20,26 @@ class Shape:
     max_positions: int = 512
     type_vocab: int = 2
     num_labels: int | None = None    # None: masked LM; else a sequence-classification head
+    architecture: str = "bert"
+    local: tuple[bool, ...] = ()     # ModernBERT: which layers attend within a window ...
+    window: int = 0                  # ... of this many tokens on each side (|i - j| <= window)
 
     @classmethod
     def from_config(cls, config, task_kind: str) -> "Shape":
-        return cls(config.vocab_size, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-                   config.intermediate_size, config.max_position_embeddings, config.type_vocab_size,
-                   None if task_kind == "mlm" else config.num_labels)
+        from .architectures import module, of_config
+        return module(of_config(config)).shape(cls, config, None if task_kind == "mlm" else config.num_labels)
+
+    def _architecture(self):
+        from .architectures import module
+        return module(self.architecture)
 
     def _layer(self) -> list[tuple[int, str]]:
-        h, i = self.hidden, self.intermediate
-        attention = [(h * h, "weight"), (h, "bias")] * 4                     # Q, K, V, output projection
-        mlp = [(h * i, "weight"), (i, "bias"), (i * h, "weight"), (h, "bias")]
-        return attention + [(h, "norm"), (h, "norm")] + mlp + [(h, "norm"), (h, "norm")]
+        return self._architecture().layer_parameters(self)
 
     def parameters(self) -> list[tuple[int, str]]:
         """(numel, kind) of every parameter in Hugging Face's order, the tied decoder once; kind is
         'embedding', 'weight' / 'bias' (of a linear layer), 'norm' (LayerNorm) or 'vocab_bias'."""
-        h, v = self.hidden, self.vocab
-        out = [(v * h, "embedding"), (self.max_positions * h, "embedding"), (self.type_vocab * h, "embedding"),
-               (h, "norm"), (h, "norm")]
-        out += self.layers * self._layer()
-        if self.num_labels is None:   # the vocab bias, transform, its LayerNorm
-            out += [(v, "vocab_bias"), (h * h, "weight"), (h, "bias"), (h, "norm"), (h, "norm")]
-        else:                         # pooler, classifier
-            out += [(h * h, "weight"), (h, "bias"), (self.num_labels * h, "weight"), (self.num_labels, "bias")]
-        return out
+        return self._architecture().parameters(self)
 
     def param_sizes(self) -> list[int]:
         return [n for n, _ in self.parameters()]
@@ -57,8 +53,8 @@ class Shape:
 
     @property
     def embedding_params(self) -> int:
-        """Word, position and token-type embeddings and their LayerNorm (the first 5 entries)."""
-        return sum(n for n, _ in self.parameters()[:5])
+        """The embeddings and their LayerNorm (BERT: word, position and token-type embeddings, the first 5 entries)."""
+        return sum(n for n, _ in self.parameters()[:self._architecture().EMBEDDING_ENTRIES])
 
     @property
     def layer_params(self) -> int:
@@ -197,6 +193,8 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
     (a 16-bit model, as DeepSpeed's bf16/fp16 makes it and FSDP2 gathers it). Returned parts: embeddings,
     per_layer, layers (all of them, or the stored layer inputs with checkpointing), head, total,
     and recompute (one layer rebuilt during backward with checkpointing, else 0)."""
+    if shape.architecture != "bert":   # its own op-by-op count (bert_recipes/architectures/<name>.py)
+        return shape._architecture().activation_bytes(shape, work, precision, device, checkpointing)
     b, s, a, i = work.batch, work.seq, shape.heads, shape.intermediate
     tokens, B, Bi, scores = b * s, b * s * shape.hidden, b * s * i, b * a * s * s
     autocast, half = precision == "autocast", precision == "half"
@@ -244,9 +242,11 @@ def workload_of(cfg, config=None, micro_batch: int | None = None, masked_tokens:
     """The Workload of a recipe (`cfg`: a Config), with the model config's dropout where the
     recipe keeps the checkpoint's."""
     m = cfg.model
-    hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else getattr(config, "hidden_dropout_prob", 0.1)
+    # BERT's dropout fields, or ModernBERT's (mlp_dropout, attention_dropout; 0 in a fresh one)
+    hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else getattr(
+        config, "hidden_dropout_prob", getattr(config, "mlp_dropout", 0.1))
     attention = (m.attention_probs_dropout_prob if m.attention_probs_dropout_prob is not None
-                 else getattr(config, "attention_probs_dropout_prob", 0.1))
+                 else getattr(config, "attention_probs_dropout_prob", getattr(config, "attention_dropout", 0.1)))
     from .config import predictions_per_seq
     from .mask_rate import largest
     rate, k = largest(cfg.data, predictions_per_seq(cfg))   # a masking rate that moves: memory for its largest level

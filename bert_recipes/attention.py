@@ -78,11 +78,15 @@ def positions_within(document_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
-def block_mask(document_ids: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """(batch, 1, seq, seq): a token attends to the tokens of its own document. dtype None: bool (SDPA: True attends);
-    a float dtype: additive, 0 or that dtype's minimum (eager attention adds it to the scores)."""
+def block_mask(document_ids: torch.Tensor, dtype: torch.dtype | None, window: int | None = None) -> torch.Tensor:
+    """(batch, 1, seq, seq): a token attends to the tokens of its own document (and with `window`, only to those at
+    most `window` positions away). dtype None: bool (SDPA: True attends); a float dtype: additive, 0 or that
+    dtype's minimum (eager attention adds it to the scores)."""
     import torch
     same = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    if window is not None:
+        index = torch.arange(document_ids.size(1), device=document_ids.device)
+        same = same & ((index[:, None] - index[None, :]).abs() <= window)
     if dtype is None:
         return same
     return torch.zeros(same.shape, dtype=dtype, device=same.device).masked_fill(~same, torch.finfo(dtype).min)
@@ -101,14 +105,19 @@ def cu_seqlens(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def document_attention(path: str, document_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype,
-                       cu: torch.Tensor | None = None, longest: int | None = None) -> dict:
-    """The keyword arguments BertModel takes for `path`: position_ids, and the attention mask ("mask": a 4D mask,
-    which transformers hands to the attention function as it is), or what the registered attention function reads
-    ("varlen": cu_seqlens and max_seqlen; "flex": the document ids, for its block mask)."""
+                       cu: torch.Tensor | None = None, longest: int | None = None, window: int | None = None) -> dict:
+    """The keyword arguments the encoder takes for `path`: position_ids, and the attention mask ("mask": a 4D mask,
+    which transformers hands to the attention function as it is; with `window`, a local layer's reach, also
+    local_mask: within the document and at most `window` tokens apart), or what the registered attention function
+    reads ("varlen": cu_seqlens and max_seqlen; "flex": the document ids, for its block mask; a local layer passes
+    its window itself)."""
     positions = positions_within(document_ids)
     if path == "mask":
-        return {"position_ids": positions,
-                "attention_mask": block_mask(document_ids, dtype if attn_implementation == "eager" else None)}
+        mask_dtype = dtype if attn_implementation == "eager" else None
+        out = {"position_ids": positions, "attention_mask": block_mask(document_ids, mask_dtype)}
+        if window is not None:
+            out["local_mask"] = block_mask(document_ids, mask_dtype, window)
+        return out
     if path == "varlen":
         return {"position_ids": positions, "cu_seqlens": cu, "max_seqlen": longest}
     return {"position_ids": positions, "document_ids": document_ids}
@@ -125,7 +134,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     from torch.nn.attention.varlen import varlen_attn
     b, h, s, d = query.shape
     flat = [t.transpose(1, 2).reshape(b * s, h, d) for t in (query, key, value)]
-    out = varlen_attn(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling)
+    reach = local_reach(kwargs)
+    out = varlen_attn(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling,
+                      window_size=(reach, reach) if reach is not None else (-1, -1))
     return out.view(b, s, h, d), None
 
 
@@ -139,12 +150,23 @@ def flex_attention(module, query, key, value, attention_mask, scaling=None, drop
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as flex
 
+    reach = local_reach(kwargs)
+
     def same_document(b, h, q, kv):
-        return document_ids[b, q] == document_ids[b, kv]
+        if reach is None:
+            return document_ids[b, q] == document_ids[b, kv]
+        return (document_ids[b, q] == document_ids[b, kv]) & ((q - kv).abs() <= reach)
     b, _, s, _ = query.shape
     mask = create_block_mask(same_document, b, None, s, s, device=query.device)
     run = compiled_flex() if query.is_cuda else flex   # uncompiled, FlexAttention runs a slow reference on a GPU
     return run(query, key, value, block_mask=mask, scale=scaling).transpose(1, 2), None
+
+
+def local_reach(kwargs: dict) -> int | None:
+    """A local attention layer's reach, |i - j| at most this (None: a global layer). ModernBERT's layer passes
+    `sliding_window` as flash attention takes it, one more than the reach (its window is inclusive)."""
+    window = kwargs.get("sliding_window")
+    return None if window is None else window - 1
 
 
 @functools.lru_cache(maxsize=1)

@@ -189,9 +189,13 @@ def read_train_state(path: Path) -> dict:
 # tokenizer trained here; the dropouts, the attention implementation and the rest do not change a shape.
 # Not tokenizer.name_or_path: a resume may name the run's own saved tokenizer (<output_dir>/tokenizer) where the
 # first run trained it, the same vocabulary under another path (tools/gpu_smoke.py's resume does).
-SHAPE_KEYS = ("model.name_or_path", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
+SHAPE_KEYS = ("model.architecture", "model.name_or_path", "model.hidden_size", "model.num_hidden_layers",
+              "model.num_attention_heads",
               "model.intermediate_size", "model.max_position_embeddings", "tokenizer.vocab_size", "task.kind",
               "task.num_labels")
+
+
+SHAPE_DEFAULTS = {"model.architecture": "bert"}
 
 
 def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
@@ -202,7 +206,8 @@ def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
     if checkpoint is None or not (Path(checkpoint) / CONFIG_FILE).is_file():
         return
     old, new = (yaml.safe_load(text) or {} for text in ((Path(checkpoint) / CONFIG_FILE).read_text(), config_yaml))
-    value = lambda d, key: (d.get(key.split(".")[0]) or {}).get(key.split(".")[1])   # noqa: E731
+    # a checkpoint saved before model.architecture existed holds a BERT
+    value = lambda d, key: (d.get(key.split(".")[0]) or {}).get(key.split(".")[1], SHAPE_DEFAULTS.get(key))   # noqa: E731
     trained_here = lambda d: (value(d, "tokenizer.name_or_path") is None   # noqa: E731
                               and value(d, "model.name_or_path") is None)
     keys = [k for k in SHAPE_KEYS if k != "tokenizer.vocab_size" or trained_here(old) and trained_here(new)]

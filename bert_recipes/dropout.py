@@ -1,6 +1,6 @@
 """BERT's attention and dropout as the run uses them (bert_recipes.modeling.build_model applies this).
 
-Every BERT encoder with sdpa gets the attention "bert_recipes_sdpa": transformers' sdpa, with a padding
+Every BERT or ModernBERT encoder with sdpa gets the attention "bert_recipes_sdpa": transformers' sdpa, with a padding
 mask built without reading it on the host. transformers' own mask builder asks `padding_mask.all()`
 before each forward (to skip an all-ones mask), which makes the host wait for the GPU; here a batch
 without padding comes without an attention_mask (packed MLM: data.MLMCollator) and gets no mask, and a
@@ -92,8 +92,8 @@ def use_recipe_attention(model: nn.Module, packed: bool) -> int:
     `packed` (packed_dropout_here) its nn.Dropout modules draw packed masks, and so does its attention.
     -> how many dropout modules were swapped. Parameters and exported weights are untouched: dropout
     has none, and the attention name is not saved with the config (an export loads as plain sdpa).
-    Other architectures (a classifier from any Hub model) and BERT as a decoder keep transformers'
-    attention."""
+    Other architectures than bert_recipes/architectures/' (a classifier from any Hub model) and BERT as a decoder
+    keep transformers' attention."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(ATTENTION, attention)
@@ -106,7 +106,9 @@ def use_recipe_attention(model: nn.Module, packed: bool) -> int:
                 swapped += 1
             if hasattr(child, "is_causal") and hasattr(child, "dropout"):   # self-attention: reads packed_dropout
                 child.packed_dropout = packed
+    from .architectures import of_model_type
     config = model.config
-    if config._attn_implementation == "sdpa" and config.model_type == "bert" and not config.is_decoder:
+    if (config._attn_implementation == "sdpa" and of_model_type(config.model_type)
+            and not getattr(config, "is_decoder", False)):
         model.config._attn_implementation = ATTENTION
     return swapped

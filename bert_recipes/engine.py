@@ -17,6 +17,7 @@ import torch
 from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, set_kernels
 from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, saved_meeting_the_barrier, zero3_keeps_model_dtype
 from .backends.deepspeed_universal import resharded
+from .backends.fsdp import wrap_model_layers
 from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .config import DataConfig, OptimConfig, TaskConfig, TrainConfig
@@ -108,6 +109,8 @@ class AccelerateEngine:
         # refused here, before the optimizer is built: a refused run builds no CPU Adam (whose load, were a rank
         # stopped in it, would leave torch's build lock behind for every later run to wait on)
         check_nvme_gradient_swap(self.plan, model, self.num_processes, self.on_gpu)
+        if self.plan.fsdp:
+            wrap_model_layers(self.accelerator.state.fsdp_plugin, model)
         self.full_param_numel = sum(p.numel() for p in model.parameters())
         return model
 

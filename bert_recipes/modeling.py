@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import BertForMaskedLM, BertForSequenceClassification
-from transformers.modeling_outputs import MaskedLMOutput, SequenceClassifierOutput
+from transformers.modeling_outputs import MaskedLMOutput
 
 from .config import ConfigError, ModelConfig, TaskConfig, first_line
 
@@ -62,47 +61,34 @@ def batch_rows(task, logits, labels, masked_positions=None) -> dict:
         return {"loss_sums": sums, "token_counts": counts, "correct": correct}
     return {"preds": predictions(task, logits), "refs": labels}
 
-class RecipeBertForMaskedLM(BertForMaskedLM):
-    """BertForMaskedLM with two changes that leave the maths and the exported weights alone:
+class RecipeMaskedLM:
+    """The forward of every recipe MLM class (an architecture's file mixes it into transformers' class and gives
+    `encode`, the encoder's last hidden state, and `predict`, the prediction head with the vocab projection). Its
+    changes leave the maths and the exported weights alone:
 
-    - The decoder bias is registered once. Hugging Face registers the same Parameter twice
-      (`cls.predictions.bias` and `cls.predictions.decoder.bias`), which FSDP2 rejects when the
-      two names land in different shard groups. Here the decoder is bias-free and the head adds
-      `cls.predictions.bias`; an export loads into a plain BertForMaskedLM, which re-ties them.
     - `sparse_head` (model.sparse_mlm_head): with labels, the prediction head runs on the masked
       positions only. The head (transform + vocab projection) is the largest matmul of a small
-      BERT and ~85% of its rows are discarded by the loss; gathering the selected positions first
-      gives the same loss and gradients at a fraction of the cost (as in NVIDIA's and cramming's
-      BERT). Then `logits` holds one row per selected token, in row-major order of the labels.
+      encoder and ~85% of its rows are discarded by the loss; gathering the selected positions first
+      gives the same loss and gradients at a fraction of the cost (as in NVIDIA's, cramming's and ModernBERT's
+      sparse prediction). Then `logits` holds one row per selected token, in row-major order of the labels.
+    - `masked_positions` (data.max_predictions_per_seq): K slots a sequence, static shapes, no host read.
+    - `document_ids` (data.document_mask, data.unpad): documents attend within themselves (bert_recipes/attention.py).
     """
-    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
     sparse_head = True
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.cls.predictions.decoder.bias = None
-
-    def head(self, hidden):
-        predictions = self.cls.predictions
-        return predictions.decoder(predictions.transform(hidden)) + predictions.bias
-
     attention_path: str | None = None   # attention.use_path: how a batch's documents attend within themselves
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, masked_positions=None, document_ids=None, cu_seqlens=None,
                 max_seqlen=None, sequence_starts=None, **kwargs):
-        if document_ids is not None:   # a packed row of documents, or a batch run unpadded (bert_recipes/attention.py)
-            kwargs.update(document_kwargs(self, document_ids, cu_seqlens, max_seqlen))
-            attention_mask, position_ids = kwargs.pop("attention_mask", None), kwargs.pop("position_ids")
-        hidden = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                           position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True,
-                           **kwargs).last_hidden_state
+        documents = (document_ids, cu_seqlens, max_seqlen) if document_ids is not None else None
+        hidden = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, documents,
+                             **kwargs)
         if labels is None:
-            return MaskedLMOutput(logits=self.head(hidden))
+            return MaskedLMOutput(logits=self.predict(hidden))
         if masked_positions is not None and sequence_starts is not None:
             # unpadded (data.unpad): one row of every sequence; each sequence's K slots index that row, an unused
             # slot its own first token ([CLS], never a label): the padded path's tokens, loss and mean
-            logits = self.head(hidden[0][masked_positions])           # (batch, K, vocab): an index tensor, no mask
+            logits = self.predict(hidden[0][masked_positions])           # (batch, K, vocab): an index tensor, no mask
             targets = labels[0][masked_positions]
             return MaskedLMOutput(loss=masked_lm_loss(logits.view(-1, logits.size(-1)), targets.view(-1)),
                                   logits=logits)
@@ -113,47 +99,23 @@ class RecipeBertForMaskedLM(BertForMaskedLM):
             # token counts once. No boolean indexing: no host sync, and torch.compile sees the same
             # shapes every step. The loss is the one of the boolean path: the same tokens, the same mean.
             index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
-            logits = self.head(hidden.gather(1, index))                        # (batch, K, vocab)
+            logits = self.predict(hidden.gather(1, index))                        # (batch, K, vocab)
             targets = slot_labels(labels, masked_positions)
             return MaskedLMOutput(loss=masked_lm_loss(logits.view(-1, logits.size(-1)), targets.view(-1)),
                                   logits=logits)
         if self.sparse_head:
             selected = labels != -100
-            logits = self.head(hidden[selected])
+            logits = self.predict(hidden[selected])
             return MaskedLMOutput(loss=masked_lm_loss(logits, labels[selected]), logits=logits)
-        logits = self.head(hidden)
+        logits = self.predict(hidden)
         return MaskedLMOutput(loss=masked_lm_loss(logits.view(-1, logits.size(-1)), labels.view(-1)), logits=logits)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        exported_as(save_directory, "BertForMaskedLM")
 
-
-class RecipeBertForSequenceClassification(BertForSequenceClassification):
-    """BertForSequenceClassification that also takes a batch run unpadded (data.unpad): one row holding every
-    sequence's real tokens, each attending within itself with its own positions (bert_recipes/attention.py); the
-    pooled output is each sequence's first token's, as the padded path pools. The weights, the padded path and the
-    export are BertForSequenceClassification's."""
-    attention_path: str | None = None
-
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                document_ids=None, cu_seqlens=None, max_seqlen=None, sequence_starts=None, **kwargs):
-        if document_ids is None:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                   position_ids=position_ids, labels=labels, **kwargs)
-        extra = document_kwargs(self, document_ids, cu_seqlens, max_seqlen)
-        hidden = self.bert(input_ids, token_type_ids=token_type_ids, return_dict=True, **extra).last_hidden_state
-        pooled = self.bert.pooler.activation(self.bert.pooler.dense(hidden[0, sequence_starts]))
-        logits = self.classifier(self.dropout(pooled))
-        loss = None
-        if labels is not None:
-            loss = (F.mse_loss(logits.squeeze(-1).float(), labels.float()) if self.num_labels == 1
-                    else F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1)))
-        return SequenceClassifierOutput(loss=loss, logits=logits)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        exported_as(save_directory, "BertForSequenceClassification")
+def classification_loss(logits, labels, num_labels: int):
+    """A classifier's loss, in fp32: MSE for a regression (num_labels 1), else cross-entropy."""
+    if num_labels == 1:
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float())
+    return F.cross_entropy(logits.view(-1, num_labels).float(), labels.view(-1))
 
 
 def exported_as(save_directory, architecture: str) -> None:
@@ -166,45 +128,62 @@ def exported_as(save_directory, architecture: str) -> None:
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def document_kwargs(model, document_ids, cu_seqlens, max_seqlen) -> dict:
-    """BertModel's keyword arguments for a batch with document ids, by the model's attention path (the run's plan
-    set it: attention.use_path); the mask path's additive mask in the embeddings' dtype (eager attention)."""
+def document_kwargs(model, document_ids, cu_seqlens, max_seqlen, window: int | None = None) -> dict:
+    """The encoder's keyword arguments for a batch with document ids, by the model's attention path (the run's plan
+    set it: attention.use_path); the mask path's additive mask in the embeddings' dtype (eager attention); window:
+    a local-attention layer's reach (ModernBERT), for the mask path's second mask."""
     from .attention import document_attention
     path = model.attention_path or "mask"
-    dtype = model.bert.embeddings.word_embeddings.weight.dtype
-    return document_attention(path, document_ids, model.config._attn_implementation, dtype, cu_seqlens, max_seqlen)
+    dtype = model.get_input_embeddings().weight.dtype
+    return document_attention(path, document_ids, model.config._attn_implementation, dtype, cu_seqlens, max_seqlen,
+                              window)
 
 
-def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_token_id: int | None):
-    """The model's config: the checkpoint's (model.name_or_path) or a fresh BertConfig from the
-    recipe's fields, with the recipe's dropout and the task's labels on top."""
-    from transformers import AutoConfig, BertConfig
+def special_token_ids(tokenizer) -> dict:
+    """The tokenizer's pad, cls and sep ids, and bos/eos as cls/sep (ModernBERT's config wants all five: its
+    defaults, 50281-50283, lie past a small vocabulary)."""
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    return {"pad_token_id": tokenizer.pad_token_id, "cls_token_id": cls, "sep_token_id": sep, "bos_token_id": cls,
+            "eos_token_id": sep}
 
-    overrides = {k: v for k, v in (("hidden_dropout_prob", model_cfg.hidden_dropout_prob),
-                                   ("attention_probs_dropout_prob", model_cfg.attention_probs_dropout_prob))
-                 if v is not None}
+
+def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_token_id: int | None,
+                 special: dict | None = None):
+    """The model's config: the checkpoint's (model.name_or_path) or a fresh one of model.architecture from the
+    recipe's fields (bert_recipes/architectures/), with the recipe's fields that a checkpoint's config takes
+    (dropout, ModernBERT's window and RoPE) and the task's labels on top. special: the tokenizer's special ids
+    (special_token_ids; else every one is pad_token_id: what the planner's shapes need)."""
+    from transformers import AutoConfig
+
+    from .architectures import ARCHITECTURES, module, of_model_type
+    arch = module(model_cfg.architecture)
+    labels = {}
     if task.kind == "classification":
-        overrides["num_labels"] = task.num_labels
-        overrides["problem_type"] = "regression" if task.num_labels == 1 else "single_label_classification"
+        labels["num_labels"] = task.num_labels
+        labels["problem_type"] = "regression" if task.num_labels == 1 else "single_label_classification"
         if task.label_names:
-            overrides["id2label"] = dict(enumerate(task.label_names))
-            overrides["label2id"] = {n: i for i, n in enumerate(task.label_names)}
+            labels["id2label"] = dict(enumerate(task.label_names))
+            labels["label2id"] = {n: i for i, n in enumerate(task.label_names)}
     if model_cfg.name_or_path:
         try:
             config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code,
-                                                **overrides)
+                                                **labels)
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.name_or_path={model_cfg.name_or_path}: cannot load its config "
                               f"({first_line(err)}); give a Hugging Face model directory or a Hub name") from None
-        if task.kind == "mlm" and config.model_type != "bert":
-            raise ConfigError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model; "
-                             "mlm pretraining here builds BERT (model_type bert)")
-        return config
-    config = BertConfig(
-        vocab_size=vocab_size, hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_hidden_layers, num_attention_heads=model_cfg.num_attention_heads,
-        intermediate_size=model_cfg.intermediate_size, max_position_embeddings=model_cfg.max_position_embeddings,
-        pad_token_id=pad_token_id, **overrides)
+        built_here = of_model_type(config.model_type)
+        if built_here != model_cfg.architecture and (task.kind == "mlm" or built_here is not None):
+            fix = (f"set model.architecture={built_here}" if built_here else
+                   f"mlm pretraining here builds {', '.join(ARCHITECTURES)}")
+            raise ConfigError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model and "
+                              f"model.architecture={model_cfg.architecture}: {fix}")
+        # a classifier from another model type (roberta, ...): BERT's dropout fields, which such configs share
+        return (arch if built_here else module("bert")).with_recipe_fields(config, model_cfg)
+    special = special or dict.fromkeys(("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id",
+                                        "eos_token_id"), pad_token_id)
+    config = arch.with_recipe_fields(arch.fresh_config(model_cfg, vocab_size, special), model_cfg)
+    for key, value in labels.items():
+        setattr(config, key, value)
     config._attn_implementation = model_cfg.attn_implementation
     return config
 
@@ -219,8 +198,8 @@ def check_sequence_length(model_cfg: ModelConfig, task: TaskConfig, max_seq_leng
 
 
 def load_pretrained(model_cfg: ModelConfig, task: TaskConfig, config):
-    """The task's model from a checkpoint in any standard BERT layout: BertForPreTraining (MLM + NSP
-    heads), BertForMaskedLM, BertModel (no head), BertForSequenceClassification. What the checkpoint
+    """The task's model from a checkpoint in any standard layout of its architecture: for BERT BertForPreTraining (MLM
+    + NSP heads), BertForMaskedLM, BertModel (no head), BertForSequenceClassification. What the checkpoint
     lacks is initialised here and what the task does not use is dropped; both are reported in
     `model.loading_report`. A checkpoint that would leave the encoder itself random is refused, and
     so is a classifier for another label count unless model.reinit_head asks for a new one."""
@@ -228,9 +207,12 @@ def load_pretrained(model_cfg: ModelConfig, task: TaskConfig, config):
     import io
 
     from transformers import AutoModelForSequenceClassification
-    name = model_cfg.name_or_path
-    auto = (RecipeBertForMaskedLM if task.kind == "mlm" else RecipeBertForSequenceClassification
-            if config.model_type == "bert" else AutoModelForSequenceClassification)
+
+    from .architectures import ARCHITECTURES, module, of_model_type
+    name, built_here = model_cfg.name_or_path, of_model_type(config.model_type)
+    arch = module(built_here or "bert")
+    auto = (arch.MASKED_LM if task.kind == "mlm" else arch.SEQUENCE_CLASSIFICATION if built_here
+            else AutoModelForSequenceClassification)
     try:
         with contextlib.redirect_stderr(io.StringIO()), _transformers_quiet():   # our own report instead
             model, info = auto.from_pretrained(name, config=config, trust_remote_code=model_cfg.trust_remote_code,
@@ -245,11 +227,12 @@ def load_pretrained(model_cfg: ModelConfig, task: TaskConfig, config):
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.name_or_path={name}: cannot load its weights ({first_line(err)})") from None
     missing = set(info["missing_keys"]) | {k for k, *_ in info["mismatched_keys"]}
-    encoder = sorted(k for k in missing if not k.startswith(("cls.", "classifier.", "bert.pooler.")))
+    encoder = sorted(k for k in missing if not k.startswith(arch.HEAD_PREFIXES))
     if encoder:
-        raise ConfigError(f"model.name_or_path={name} has no weights for {len(encoder)} tensors of the BERT encoder "
-                          f"(e.g. {encoder[0]}): training would start from random weights; give a BERT checkpoint "
-                          "(BertForPreTraining, BertForMaskedLM, BertModel or BertForSequenceClassification)")
+        title = ARCHITECTURES[built_here or "bert"].title
+        raise ConfigError(f"model.name_or_path={name} has no weights for {len(encoder)} tensors of the {title} "
+                          f"encoder (e.g. {encoder[0]}): training would start from random weights; give a {title} "
+                          f"checkpoint ({arch.LAYOUTS})")
     loaded = len(model.state_dict()) - len(missing)
     report = f"[model] from {name}: {loaded} tensors loaded"
     if missing:
@@ -284,12 +267,12 @@ def _transformers_quiet():
 
 def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config=None, packed_dropout: bool = False,
                 attention_path: str | None = None):
-    """BertForMaskedLM or BertForSequenceClassification, from a checkpoint or a fresh BertConfig
+    """The architecture's (model.architecture) masked LM or sequence classifier, from a checkpoint or a fresh config
     (`config`, when given, instead of one derived from the tokenizer), with the recipe's attention
     (bert_recipes.dropout; packed_dropout: config.packed_dropout_here's answer for this run) and, for document masks
     or unpadded batches, the plan's attention path (attention.use_path)."""
     if config is None:
-        config = model_config(model_cfg, task, len(tokenizer), tokenizer.pad_token_id)
+        config = model_config(model_cfg, task, len(tokenizer), tokenizer.pad_token_id, special_token_ids(tokenizer))
     if model_cfg.name_or_path:
         model = load_pretrained(model_cfg, task, config)
         if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
@@ -297,7 +280,9 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
                               f"{model_cfg.name_or_path} has vocab_size {model.config.vocab_size}: they do not belong "
                               "together; use the model's own tokenizer (leave tokenizer.name_or_path unset)")
     else:
-        model = (RecipeBertForMaskedLM if task.kind == "mlm" else RecipeBertForSequenceClassification)(config)
+        from .architectures import module
+        arch = module(model_cfg.architecture)
+        model = (arch.MASKED_LM if task.kind == "mlm" else arch.SEQUENCE_CLASSIFICATION)(config)
     if task.kind == "mlm":
         model.sparse_head = model_cfg.sparse_mlm_head
     from .attention import use_path
@@ -305,7 +290,7 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
     use_recipe_attention(model, packed_dropout)
     if attention_path is not None:
         if not hasattr(model, "attention_path"):
-            raise ConfigError(f"data.document_mask and data.unpad need a BERT model; model.name_or_path="
+            raise ConfigError(f"data.document_mask and data.unpad need a BERT or ModernBERT model; model.name_or_path="
                               f"{model_cfg.name_or_path} is a {model.config.model_type} model: set them false")
         use_path(model, attention_path)
     if model_cfg.gradient_checkpointing:

@@ -175,15 +175,9 @@ def gpu_peak(name: str, mixed_precision: str, tf32: bool) -> tuple[float, str]:
 
 
 def flops_per_token(config, seq_len: int, mlm_fraction: float | None) -> float:
-    """Training FLOPs per input token of BERT (forward + backward = 3 x forward).
-
-    Per layer and token, forward: 2 x (4h^2 attention projections + 2 h i MLP) plus the attention
-    itself, 2 x 2 s h (QK^T and AV). MLM head on the predicted share of tokens: 2 x (h^2 + h V);
-    a sequence-classification head is negligible. Embedding lookups are not FLOPs."""
-    h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
-    per_layer = 2 * (4 * h * h + 2 * h * i) + 4 * seq_len * h
-    head = 2 * (h * h + h * vocab) * mlm_fraction if mlm_fraction else 0.0
-    return 3.0 * (layers * per_layer + head)
+    """Training FLOPs per input token of the model's architecture (bert_recipes/architectures/<name>.py)."""
+    from .architectures import module, of_config
+    return module(of_config(config)).flops_per_token(config, seq_len, mlm_fraction)
 
 
 def _cpu_cache_file() -> Path:

@@ -93,7 +93,7 @@ def trial_setup(monkeypatch, fits_up_to: int, planned: int = 16, global_batch: i
     from bert_recipes.backends.consistency import resolve_run
     from bert_recipes.backends.plan import backend_rows
     from bert_recipes.config import load_config
-    from bert_recipes.modeling import RecipeBertForMaskedLM
+    from bert_recipes.architectures.bert import RecipeBertForMaskedLM
     cfg = load_config(REPO / "recipes/tiny-mlm.yaml", [
         "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
         "model.intermediate_size=64", "tokenizer.vocab_size=1000", "data.max_seq_length=32",

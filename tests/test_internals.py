@@ -95,7 +95,7 @@ def test_quick_exit_runs_the_exit_handlers(tmp_path):
 def tiny_bert(packed: bool):
     from transformers import BertConfig
 
-    from bert_recipes.modeling import RecipeBertForMaskedLM
+    from bert_recipes.architectures.bert import RecipeBertForMaskedLM
     from bert_recipes.dropout import use_recipe_attention
     torch.manual_seed(0)
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

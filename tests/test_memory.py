@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -144,6 +145,64 @@ def test_activation_estimate_of_the_static_mlm_head(precision, k):
     estimate = activation_bytes(Shape.from_config(config, "mlm"), work, precision, "cpu")
     print(f"[activations] static head {precision} K={k}: estimate {estimate['total']:,} measured {got['activations']:,}")
     assert abs(estimate["total"] - got["activations"]) <= 16, (estimate["total"], got["activations"])
+
+
+# ModernBERT (model.architecture=modernbert): its own op-by-op count (bert_recipes/architectures/modernbert.py), local
+# layers below the sequence length so both layer types run; ModernBERT's default dropout 0, and attention dropout.
+# (task, layers, global every n, local window, batch, seq, precision, attn, attention dropout, ckpt, padded, labels)
+MODERNBERT_CASES = [
+    ("mlm", 3, 2, 16, 4, 32, "fp32", "sdpa", 0.0, False, False, 3),
+    ("mlm", 4, 3, 16, 4, 64, "fp32", "sdpa", 0.0, False, False, 3),
+    ("mlm", 3, 2, 16, 4, 32, "autocast", "sdpa", 0.0, False, False, 3),
+    ("mlm", 3, 2, 16, 4, 32, "half", "sdpa", 0.0, False, False, 3),
+    ("mlm", 3, 2, 16, 4, 32, "fp32", "sdpa", 0.1, False, False, 3),
+    ("mlm", 2, 2, 16, 4, 32, "autocast", "eager", 0.0, False, False, 3),
+    ("mlm", 2, 2, 16, 4, 32, "fp32", "eager", 0.1, False, False, 3),
+    ("mlm", 3, 2, 16, 4, 32, "fp32", "sdpa", 0.0, True, False, 3),
+    ("classification", 3, 2, 16, 4, 32, "fp32", "sdpa", 0.0, False, True, 3),
+    ("classification", 2, 2, 16, 4, 32, "autocast", "sdpa", 0.0, False, True, 1),
+]
+
+
+def tiny_modernbert(task, layers, every, window, seq, attn, attn_dropout, checkpointing, num_labels):
+    model_cfg = ModelConfig(architecture="modernbert", hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                            intermediate_size=96, max_position_embeddings=max(64, seq), local_attention=window,
+                            global_attn_every_n_layers=every, attn_implementation=attn,
+                            attention_probs_dropout_prob=attn_dropout, gradient_checkpointing=checkpointing)
+    task_cfg = TaskConfig(kind=task, num_labels=num_labels)
+    config = model_config(model_cfg, task_cfg, vocab_size=500, pad_token_id=0)
+    return build_model(model_cfg, task_cfg, config=config), config
+
+
+@pytest.mark.parametrize("case", MODERNBERT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_modernbert_activation_estimate_matches_saved_tensors(case):
+    task, layers, every, window, batch, seq, precision, attn, p_attn, ckpt, padded, labels = case
+    torch.manual_seed(0)
+    model, config = tiny_modernbert(task, layers, every, window, seq, attn, p_attn, ckpt, labels)
+    assert "sliding_attention" in config.layer_types and "full_attention" in config.layer_types
+    if precision == "half":
+        model.to(torch.bfloat16)
+    model.train()
+    masked = math.ceil(0.15 * batch * seq)
+    data = tiny_batch(task, batch, seq, config.vocab_size, masked, labels, padded)
+    got = measure_activations(model, data, torch.bfloat16 if precision == "autocast" else None)
+    work = Workload(batch=batch, seq=seq, hidden_dropout=0.0, attention_dropout=p_attn, attn_implementation=attn,
+                    masked_tokens=masked, padded=padded)
+    estimate = activation_bytes(Shape.from_config(config, task), work, precision, "cpu", ckpt)
+    print(f"[activations] modernbert {case}: estimate {estimate['total']:,} measured {got['activations']:,}")
+    assert abs(estimate["total"] - got["activations"]) <= 32, (estimate["total"], got["activations"])
+    # the control: BERT's count of the same sizes, which the op-by-op count must not be mistaken for
+    bert = activation_bytes(replace(Shape.from_config(config, task), architecture="bert"), work, precision, "cpu", ckpt)
+    assert abs(bert["total"] - got["activations"]) > TOLERANCE * got["activations"]
+
+
+@pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1)])
+def test_modernbert_parameter_count_is_the_models(task, labels):
+    model, config = tiny_modernbert(task, 3, 2, 16, 32, "sdpa", 0.0, False, labels)
+    shape = Shape.from_config(config, task)
+    assert [p.numel() for p in model.parameters()] == shape.param_sizes()
+    assert [p.numel() for group in build_optimizer(model, OptimConfig()).param_groups for p in group["params"]] \
+        == [n for group in shape.optimizer_groups() for n in group]
 
 
 @pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1)])

@@ -162,3 +162,31 @@ def test_step_guard_counts_without_a_wait_or_a_write(decided):
         guard.add(step, torch.tensor(float("inf")), None, torch.tensor(True) if decided == "device" else True)
     with pytest.raises(Diverged, match="3 steps in a row had a non-finite loss"):
         guard.check(7, 1e-3)
+
+
+@pytest.mark.parametrize("window", [64, 8])
+def test_modernbert_flops_per_token_match_torch_flop_counter(window):
+    """ModernBERT's MFU terms (bert_recipes/architectures/modernbert.py) against torch's FlopCounterMode over a real
+    forward of a tiny ModernBERT (eager attention: its matmuls are counted whole), x3 for the backward. With a window
+    under the sequence, the local layer's attention counts only the keys it sees: the counter, which sees the dense
+    masked matmul, counts s keys, so the difference is exactly that layer's 4 x (s - (2 x reach + 1)) x h, x3."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bert_recipes.config import ModelConfig, TaskConfig
+    from bert_recipes.modeling import build_model, model_config
+    seq, hidden = 32, 64
+    cfg = ModelConfig(architecture="modernbert", hidden_size=hidden, num_hidden_layers=3, num_attention_heads=4,
+                      intermediate_size=96, max_position_embeddings=64, local_attention=window,
+                      global_attn_every_n_layers=2, attn_implementation="eager")
+    task = TaskConfig(kind="mlm")
+    config = model_config(cfg, task, 500, 0)
+    model = build_model(cfg, task, config=config).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=torch.randint(5, 500, (2, seq)))   # no labels: the head runs on every token
+    counted = 3 * counter.get_total_flops() / (2 * seq)
+    reach = config.sliding_window
+    unseen = max(0, seq - (2 * reach + 1))                   # keys a local query does not see
+    assert flops_per_token(config, seq, 1.0) == pytest.approx(counted - 3 * 4 * unseen * hidden)
+    if window == 64:
+        assert unseen == 0

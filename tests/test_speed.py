@@ -26,7 +26,7 @@ def test_static_positions_give_the_loss_of_the_boolean_head(shared_tokenizer, sa
     from transformers import AutoTokenizer, BertConfig
 
     from bert_recipes.collate import MLMCollator
-    from bert_recipes.modeling import RecipeBertForMaskedLM
+    from bert_recipes.architectures.bert import RecipeBertForMaskedLM
     tok = AutoTokenizer.from_pretrained(shared_tokenizer)
     lines = [l for l in (sample_dir / "pretrain/train.txt").read_text().splitlines() if len(l) > 60][:16]
     examples = []

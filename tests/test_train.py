@@ -168,7 +168,7 @@ def test_mlm_head_matches_hugging_face_dense_and_sparse():
     """Our BertForMaskedLM (bias registered once; optional sparse head) gives Hugging Face's loss
     and gradients, and its export loads back into a plain BertForMaskedLM."""
     from transformers import BertConfig, BertForMaskedLM
-    from bert_recipes.modeling import RecipeBertForMaskedLM
+    from bert_recipes.architectures.bert import RecipeBertForMaskedLM
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)

@@ -40,6 +40,9 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
         rule, note = WHOLE_TENSORS[o.name]
         conflicts.append(f"optim.name={o.name} needs whole parameter tensors for {rule}, but {what}{note}: use a DDP "
                          "config, or optim.name=adamw")
+    if plan.kind == "pipeline" and cfg.model.architecture != "bert":
+        conflicts.append(f"model.architecture={cfg.model.architecture}: the pipeline engine cuts BERT's layers only "
+                         "(bert_recipes/backends/pipeline.py): use a DDP, ZeRO or FSDP config")
     if t.mixed_precision == "fp16" and not has_cuda:
         conflicts.append("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU Accelerate would silently train "
                          "in fp32. Use bf16 (supported on CPU) or no")
@@ -97,9 +100,11 @@ def attention_path(cfg: Config, plan: LaunchPlan) -> str:
     on the plan's device, precision and the model's attention dropout; what no path serves, and what a path
     cannot do (compile the varlen and flex paths, whose arguments change every batch), is one line."""
     from ..attention import choose_path
+    from ..architectures import ARCHITECTURES
     dropout = cfg.model.attention_probs_dropout_prob
-    if dropout is None:   # the checkpoint's, else a fresh BertConfig's 0.1
-        dropout = checkpoint_attention_dropout(cfg.model.name_or_path) if cfg.model.name_or_path else 0.1
+    default = ARCHITECTURES[cfg.model.architecture].attention_dropout
+    if dropout is None:   # the checkpoint's, else a fresh config's (BERT 0.1, ModernBERT 0)
+        dropout = checkpoint_attention_dropout(cfg.model.name_or_path, default) if cfg.model.name_or_path else default
     path, why = choose_path(bool(plan.on_gpu), cfg.train.mixed_precision, dropout, cfg.data.max_seq_length,
                             cfg.train.document_attention)
     if why:
@@ -110,13 +115,15 @@ def attention_path(cfg: Config, plan: LaunchPlan) -> str:
     return path
 
 
-def checkpoint_attention_dropout(name: str) -> float:
-    """A checkpoint's attention_probs_dropout_prob (0.1, BERT's, where its config cannot be read here)."""
+def checkpoint_attention_dropout(name: str, default: float) -> float:
+    """A checkpoint's attention dropout (BERT's attention_probs_dropout_prob, ModernBERT's attention_dropout; the
+    architecture's default where its config cannot be read here)."""
     try:
         from transformers import AutoConfig
-        return float(getattr(AutoConfig.from_pretrained(name), "attention_probs_dropout_prob", 0.1))
-    except Exception:   # noqa: BLE001 (offline, a private repo: BERT's value)
-        return 0.1
+        config = AutoConfig.from_pretrained(name)
+        return float(getattr(config, "attention_probs_dropout_prob", getattr(config, "attention_dropout", default)))
+    except Exception:   # noqa: BLE001 (offline, a private repo: the architecture's value)
+        return default
 
 
 def check_trackers(trackers: list[str]) -> list[str]:

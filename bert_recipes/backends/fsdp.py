@@ -18,3 +18,16 @@ def dtensor_numel(p) -> int | None:
 
 def describe_fsdp(accelerator) -> dict:
     return {"fsdp_version": accelerator.state.fsdp_plugin.fsdp_version}
+
+
+def wrap_model_layers(plugin, model) -> None:
+    """FSDP's unit is the model's encoder layer. The launch config names one (accelerate_configs/fsdp.yaml:
+    BertLayer); where it names an encoder layer of bert_recipes/architectures/ and the model is of another of them,
+    the model's own layer class takes its place (ModernBertEncoderLayer), so the config runs every architecture
+    unchanged. A config naming classes of its own keeps them."""
+    from ..architectures import ARCHITECTURES, of_config
+    layers = {row.layer_class for row in ARCHITECTURES.values()}
+    own = ARCHITECTURES[of_config(model.config)].layer_class
+    names = plugin.transformer_cls_names_to_wrap
+    if names and set(names) <= layers:
+        plugin.transformer_cls_names_to_wrap = [own]

@@ -119,6 +119,16 @@ def documents_attend_apart(cfg: Config) -> bool:
     return cfg.data.document_mask or cfg.data.unpad
 
 
+def check_architecture(model) -> None:
+    """model.architecture is a row of bert_recipes/architectures/, and no field of another architecture is set."""
+    from ..architectures import ARCHITECTURES, misplaced_field
+    if model.architecture not in ARCHITECTURES:
+        raise ConfigError(f"model.architecture={model.architecture} is not one of {', '.join(ARCHITECTURES)}")
+    why = misplaced_field(model.architecture, model)
+    if why:
+        raise ConfigError(why)
+
+
 def check_documents(cfg: Config) -> None:
     """data.document_mask and data.unpad, each where it means something, and what they cannot be combined with."""
     d, t = cfg.data, cfg.train
@@ -234,6 +244,7 @@ def validate(cfg: Config) -> None:
     if d.max_seq_length > m.max_position_embeddings and m.name_or_path is None:
         raise ConfigError(f"data.max_seq_length={d.max_seq_length} exceeds "
                           f"model.max_position_embeddings={m.max_position_embeddings}")
+    check_architecture(m)
     if m.name_or_path is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
                           f"model.num_attention_heads={m.num_attention_heads}")

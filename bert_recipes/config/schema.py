@@ -107,17 +107,31 @@ class TaskConfig:
 
 @dataclass
 class ModelConfig:
+    architecture: str = "bert"
+    """bert, or modernbert (RoPE, GeGLU, pre-norm without biases, local and global attention layers): one of
+    bert_recipes/architectures/'s rows. A checkpoint (name_or_path) of one of them must be of this architecture."""
     name_or_path: Optional[str] = None
     """Hub name or local directory to start from (e.g. an exported mlm run's model/ dir).
-    None: a fresh BertConfig built from the fields below."""
+    None: a fresh config of the architecture built from the fields below."""
     hidden_size: int = ranged(768, **POSITIVE)
     num_hidden_layers: int = ranged(12, **POSITIVE)
     num_attention_heads: int = ranged(12, **POSITIVE)
     intermediate_size: int = ranged(3072, **POSITIVE)
     max_position_embeddings: int = ranged(512, low=8, hint="positions, at least data.max_seq_length")
     hidden_dropout_prob: Optional[float] = ranged(None, low=0, high=1, open_high=True)
-    """None keeps the checkpoint's value (0.1 for a fresh BertConfig)."""
+    """BERT's. None keeps the checkpoint's value (0.1 for a fresh BertConfig)."""
     attention_probs_dropout_prob: Optional[float] = ranged(None, low=0, high=1, open_high=True)
+    """None keeps the checkpoint's value (0.1 for a fresh BertConfig, 0 for a fresh ModernBERT, whose
+    attention_dropout it sets)."""
+    local_attention: Optional[int] = ranged(None, low=2, hint="tokens a local layer sees, e.g. 128")
+    """ModernBERT's: the width of a local (sliding-window) layer's attention, centred on each token; None keeps
+    the checkpoint's (128 for a fresh one)."""
+    global_attn_every_n_layers: Optional[int] = ranged(None, **POSITIVE)
+    """ModernBERT's: layers 0, n, 2n, ... attend globally, the others locally (None: 3, ModernBERT's)."""
+    global_rope_theta: Optional[float] = ranged(None, **POSITIVE, hint="e.g. 10000 at 1k tokens, 160000 at 8k")
+    """ModernBERT's RoPE base of the global layers (None: the checkpoint's; 160,000 for a fresh one)."""
+    local_rope_theta: Optional[float] = ranged(None, **POSITIVE)
+    """ModernBERT's RoPE base of the local layers (None: the checkpoint's; 10,000 for a fresh one)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     dropout_impl: Literal["torch", "packed"] = "torch"
     """How dropout masks are drawn; the keep probability and scaling are torch's either way. torch:

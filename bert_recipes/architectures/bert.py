@@ -1,0 +1,144 @@
+"""BERT (model.architecture: bert, the default): its config from the recipe's fields, its training classes, and its
+terms for the memory planner and the MFU (the planner's op-by-op activations are activations.py's, written for
+Hugging Face's BertLayer)."""
+from __future__ import annotations
+
+from transformers import BertForMaskedLM, BertForSequenceClassification
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from ..modeling import RecipeMaskedLM, classification_loss, document_kwargs, exported_as
+
+ENCODER_PREFIX = "bert."                                  # what a checkpoint must hold: the encoder's tensors ...
+HEAD_PREFIXES = ("cls.", "classifier.", "bert.pooler.")  # ... but for the heads a task may start anew
+EMBEDDING_ENTRIES = 5                                     # word, position, token-type embeddings, LayerNorm w and b
+
+
+def fresh_config(model_cfg, vocab_size: int, special: dict):
+    """A BertConfig from the recipe's fields (special: the tokenizer's pad id)."""
+    from transformers import BertConfig
+    return BertConfig(vocab_size=vocab_size, hidden_size=model_cfg.hidden_size,
+                      num_hidden_layers=model_cfg.num_hidden_layers, num_attention_heads=model_cfg.num_attention_heads,
+                      intermediate_size=model_cfg.intermediate_size,
+                      max_position_embeddings=model_cfg.max_position_embeddings,
+                      pad_token_id=special.get("pad_token_id"))
+
+
+def overrides(model_cfg) -> dict:
+    """The recipe's fields that set a config's values, fresh or a checkpoint's (None: the config's own)."""
+    return {k: v for k, v in (("hidden_dropout_prob", model_cfg.hidden_dropout_prob),
+                              ("attention_probs_dropout_prob", model_cfg.attention_probs_dropout_prob))
+            if v is not None}
+
+
+def attention_dropout(config) -> float:
+    return config.attention_probs_dropout_prob
+
+
+class BertEncoding:
+    """BERT's encoder as RecipeMaskedLM and the classifier call it: documents (ids, cu_seqlens, max_seqlen) become
+    positions within each document and the run's attention path's arguments."""
+
+    def encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, documents, **kwargs):
+        if documents is not None:   # a packed row of documents, or a batch run unpadded (bert_recipes/attention.py)
+            kwargs.update(document_kwargs(self, *documents))
+            attention_mask, position_ids = kwargs.pop("attention_mask", None), kwargs.pop("position_ids")
+        return self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                         position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True,
+                         **kwargs).last_hidden_state
+
+
+class RecipeBertForMaskedLM(BertEncoding, RecipeMaskedLM, BertForMaskedLM):
+    """BertForMaskedLM with RecipeMaskedLM's forward, and one change that leaves the maths and the exported weights
+    alone: the decoder bias is registered once. Hugging Face registers the same Parameter twice
+    (`cls.predictions.bias` and `cls.predictions.decoder.bias`), which FSDP2 rejects when the two names land in
+    different shard groups. Here the decoder is bias-free and the head adds `cls.predictions.bias`; an export loads
+    into a plain BertForMaskedLM, which re-ties them."""
+    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.cls.predictions.decoder.bias = None
+
+    def predict(self, hidden):
+        predictions = self.cls.predictions
+        return predictions.decoder(predictions.transform(hidden)) + predictions.bias
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        exported_as(save_directory, "BertForMaskedLM")
+
+
+class RecipeBertForSequenceClassification(BertEncoding, BertForSequenceClassification):
+    """BertForSequenceClassification that also takes a batch run unpadded (data.unpad): one row holding every
+    sequence's real tokens, each attending within itself with its own positions (bert_recipes/attention.py); the
+    pooled output is each sequence's first token's, as the padded path pools. The weights, the padded path and the
+    export are BertForSequenceClassification's."""
+    attention_path: str | None = None
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                document_ids=None, cu_seqlens=None, max_seqlen=None, sequence_starts=None, **kwargs):
+        if document_ids is None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                   position_ids=position_ids, labels=labels, **kwargs)
+        hidden = self.encode(input_ids, None, token_type_ids, None, None, (document_ids, cu_seqlens, max_seqlen))
+        pooled = self.bert.pooler.activation(self.bert.pooler.dense(hidden[0, sequence_starts]))
+        logits = self.classifier(self.dropout(pooled))
+        loss = classification_loss(logits, labels, self.num_labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        exported_as(save_directory, "BertForSequenceClassification")
+
+
+MASKED_LM, SEQUENCE_CLASSIFICATION = RecipeBertForMaskedLM, RecipeBertForSequenceClassification
+
+
+
+LAYOUTS = "BertForPreTraining, BertForMaskedLM, BertModel or BertForSequenceClassification"
+
+
+def with_recipe_fields(config, model_cfg):
+    """A config, fresh or a checkpoint's, with the recipe's fields that set its values on top."""
+    for key, value in overrides(model_cfg).items():
+        setattr(config, key, value)
+    return config
+
+
+# ----------------------------------------------------------------------------- the planner's and the MFU's terms
+def shape(shape_class, config, num_labels):
+    return shape_class(config.vocab_size, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                       config.intermediate_size, config.max_position_embeddings, config.type_vocab_size, num_labels)
+
+
+def layer_parameters(s) -> list[tuple[int, str]]:
+    """One BertLayer's parameters, (numel, kind), in Hugging Face's order."""
+    h, i = s.hidden, s.intermediate
+    attention = [(h * h, "weight"), (h, "bias")] * 4                     # Q, K, V, output projection
+    mlp = [(h * i, "weight"), (i, "bias"), (i * h, "weight"), (h, "bias")]
+    return attention + [(h, "norm"), (h, "norm")] + mlp + [(h, "norm"), (h, "norm")]
+
+
+def parameters(s) -> list[tuple[int, str]]:
+    """Every parameter, (numel, kind), in Hugging Face's order, the tied decoder once (activations.Shape)."""
+    h, v = s.hidden, s.vocab
+    out = [(v * h, "embedding"), (s.max_positions * h, "embedding"), (s.type_vocab * h, "embedding"),
+           (h, "norm"), (h, "norm")]
+    out += s.layers * layer_parameters(s)
+    if s.num_labels is None:   # the vocab bias, transform, its LayerNorm
+        out += [(v, "vocab_bias"), (h * h, "weight"), (h, "bias"), (h, "norm"), (h, "norm")]
+    else:                      # pooler, classifier
+        out += [(h * h, "weight"), (h, "bias"), (s.num_labels * h, "weight"), (s.num_labels, "bias")]
+    return out
+
+
+def flops_per_token(config, seq_len: int, mlm_fraction: float | None) -> float:
+    """Training FLOPs per input token of BERT (forward + backward = 3 x forward).
+
+    Per layer and token, forward: 2 x (4h^2 attention projections + 2 h i MLP) plus the attention
+    itself, 2 x 2 s h (QK^T and AV). MLM head on the predicted share of tokens: 2 x (h^2 + h V);
+    a sequence-classification head is negligible. Embedding lookups are not FLOPs."""
+    h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    per_layer = 2 * (4 * h * h + 2 * h * i) + 4 * seq_len * h
+    head = 2 * (h * h + h * vocab) * mlm_fraction if mlm_fraction else 0.0
+    return 3.0 * (layers * per_layer + head)
