@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1
 # checkpoint and exit (SIGUSR1: SLURM's --signal=USR1@120; without it the launcher would just die).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
-.PHONY: help setup demo test bench prepare glue doctor env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
+.PHONY: help setup demo test bench prepare glue downstream doctor env-check allreduce scaling memory gpu-check gpu-smoke print-config clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9 -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -55,7 +55,7 @@ $(VENV)/.installed: requirements.txt requirements-references.txt requirements-tr
 setup: $(VENV)/.installed  ## create .venv and install requirements.txt, requirements-trackers.txt (MLflow, W&B), requirements-references.txt and requirements-tests.txt (tests)
 
 DEMO_MLM = --recipe recipes/tiny-mlm.yaml --run.output_dir=$(RUNS)/tiny-mlm --data.sample_dir=$(SAMPLE) \
-	--run.overwrite=true --logging.progress_bar=false $(ARGS)
+	--run.overwrite=true --logging.progress_bar=false --checkpoint.downstream=recipes/tiny-classify.yaml $(ARGS)
 DEMO_CLS = --recipe recipes/tiny-classify.yaml --run.output_dir=$(RUNS)/tiny-classify --data.sample_dir=$(SAMPLE) \
 	--model.name_or_path=$(RUNS)/tiny-mlm/model --run.overwrite=true --logging.progress_bar=false $(ARGS)
 DEMO_NPROC = --num_processes $(or $(NPROC),2)
@@ -150,6 +150,9 @@ bench: setup  ## train.py vs transformers' Trainer on the same workload: tokens/
 
 prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped by every rank; then --data.source=prepared --data.prepared_dir=OUT)
 	$(PY) tools/prepare.py --recipe $(RECIPE) --out $(or $(OUT),data/prepared/$(basename $(notdir $(RECIPE)))) $(ARGS)
+
+downstream: setup  ## fine-tune and score every checkpoint export of RUN (pretrained with checkpoint.downstream): metrics.json, curves.png (CPU=1, CONFIG=, ARGS=)
+	$(PY) tools/downstream.py $(or $(RUN),$(RUNS)/tiny-mlm) $(if $(CONFIG),--config $(CONFIG)) $(if $(CPU),--cpu) $(ARGS)
 
 glue: setup  ## the nine GLUE tasks for MODEL (Hub name or dir; default bert-base-uncased): glue_results.md + submission/ (CONFIG=, CPU=1, ARGS="-- --train.epochs=1")
 	$(PY) tools/glue.py --model $(or $(MODEL),bert-base-uncased) $(if $(CONFIG),--config $(CONFIG)) $(if $(CPU),--cpu) $(ARGS)

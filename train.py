@@ -7,7 +7,7 @@ The recipe holds the maths (model, data, optimizer, schedule, batch sizes); the 
 holds how it runs. One loop serves every backend: what differs between Accelerate (DDP, ZeRO,
 FSDP) and the DeepSpeed pipeline sits behind the engine (bert_recipes/engine.py).
 
-Reads top to bottom: config -> engine -> data -> model -> optimizer -> prepare -> resume
+Reads top to bottom: config -> engine -> data -> model -> optimizer -> prepare -> resume (or a phase's start)
 -> loop -> save.
 """
 from __future__ import annotations
@@ -41,12 +41,14 @@ from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_war
 from bert_recipes.corpora import same_files_on_every_rank
 from bert_recipes.data import prepare_data
 from bert_recipes.divergence import StepGuard
+from bert_recipes.downstream import export_for_downstream
 from bert_recipes.doctor.nvml import start_sampler
 from bert_recipes.engine import build_engine
 from bert_recipes.exits import halted_line, leave, run_train
 from bert_recipes.export import export_agreed, model_card, push_to_hub
 from bert_recipes.interface import AccelerateStep, Engine
 from bert_recipes.layout import resume_layout, run_layout, saved_layout
+from bert_recipes.phases import init_line
 from bert_recipes.logs import Trackers, plot_curves, write_metrics
 from bert_recipes.mask_rate import MaskSchedule, mask_schedule
 from bert_recipes.memory import describe_plan, predict_run
@@ -128,7 +130,7 @@ def main(cfg: Config) -> dict:
         set_seed(cfg.run.seed)
         print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
                f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
-        checkpoint, layout = starting_point(cfg, plan, engine, output_dir, notes)
+        checkpoint, source, layout = starting_point(cfg, plan, engine, output_dir, notes)
         trackers = Trackers(cfg.logging.trackers, engine.is_main, output_dir / "logs")
         on_rank0(engine.is_main, broadcast, trackers.check)   # a store MLflow refuses, a server down: one line, now
 
@@ -147,7 +149,8 @@ def main(cfg: Config) -> dict:
                f"{cfg.data.max_seq_length} tokens, vocab {len(tokenizer)}")
         tokenizer_used = tokenizer_record(tokenizer, cfg.tokenizer.name_or_path or cfg.model.name_or_path)
         note = on_rank0(engine.is_main, broadcast,   # another tokenizer: one line on every rank, nothing written
-                        lambda: check_tokenizer_fits(checkpoint, tokenizer_used, output_dir))
+                        lambda: check_tokenizer_fits(checkpoint or source, tokenizer_used, output_dir,
+                                                     resumed=checkpoint is not None))
         if note:
             print0(note)
 
@@ -179,6 +182,9 @@ def main(cfg: Config) -> dict:
         INTERRUPTION.at("loading the checkpoint" if checkpoint is not None else "starting the output directory")
         if checkpoint is not None:
             resume(run, checkpoint)
+        elif source is not None:   # checkpoint.init_from: a phase's first start
+            run.engine.start_from(source, cfg.checkpoint.init_optimizer)
+            print0(init_line(source, cfg.checkpoint.init_optimizer))
         run.state["layout"], run.state["total_steps"], run.state["tokenizer"] = layout, total_steps, tokenizer_used
         start_writing(output_dir, config_yaml, tokenizer, cfg.run.overwrite, cfg.checkpoint.resume, engine, run.state,
                       resumed=checkpoint is not None)
@@ -197,19 +203,22 @@ def main(cfg: Config) -> dict:
 
 def starting_point(cfg: Config, plan, engine: Engine, output_dir: Path, notes: list[str]) -> tuple:
     """Where the run starts: the checkpoint checkpoint.resume names (None: step 0), which rank 0 picks and tells the
-    others, and this run's layout over processes, saved with each checkpoint. Every rank must see output_dir
+    others, or else the other run's checkpoint a phase starts from (checkpoint.init_from, resolved by preflight);
+    and this run's layout over processes, saved with each checkpoint. Every rank must see output_dir
     (checkpoints are written into directories rank 0 creates); preflight's notes come first, then the resume's.
     Another process count re-cuts the saved state (a line) or is refused in one (layout.resume_layout).
-    -> (checkpoint or None, layout)."""
+    -> (checkpoint or None, source or None, layout)."""
     check_shared_output_dir(output_dir, engine)
     for note in notes:
         print0(note)
     checkpoint = pick_checkpoint(cfg.checkpoint.resume, output_dir, engine)
+    source = Path(cfg.checkpoint.init_from) if checkpoint is None and cfg.checkpoint.init_from else None
     layout = run_layout(plan, cfg.train.micro_batch_size)
-    changed = resume_layout(saved_layout(checkpoint), layout, checkpoint) if checkpoint is not None else None
+    loaded, key = (checkpoint, "checkpoint.resume") if checkpoint is not None else (source, "checkpoint.init_from")
+    changed = resume_layout(saved_layout(loaded), layout, loaded, key) if loaded is not None else None
     if changed:
         print0(changed)
-    return checkpoint, layout
+    return checkpoint, source, layout
 
 
 def resume(run: Run, checkpoint) -> None:
@@ -466,6 +475,9 @@ def checkpoint_now(run: Run) -> bool:
                       "not finite; the previous checkpoint stays the latest")
         return False
     save_checkpoint(run.output_dir, run.state["step"], run.state, run.config_yaml, run.cfg.checkpoint.keep_last, engine)
+    if run.cfg.checkpoint.downstream:   # this step's model, kept from the rotation for its downstream score
+        export_for_downstream(engine, run.output_dir, run.state["step"], run.tokenizer, run.config_yaml,
+                              run.export_bytes, run.cfg.run.name)
     return True
 
 

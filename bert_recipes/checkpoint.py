@@ -198,11 +198,15 @@ SHAPE_KEYS = ("model.architecture", "model.name_or_path", "model.hidden_size", "
 SHAPE_DEFAULTS = {"model.architecture": "bert"}
 
 
-def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
-    """The checkpoint a run resumes against this run's model shape (SHAPE_KEYS, from the resolved config
-    saved beside it), before any tensor is loaded: one line naming every differing field with both values,
-    and the two ways out. Warm-starting from an export (model.name_or_path) is not a resume: not checked."""
+def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str, key: str = "checkpoint.resume") -> None:
+    """The checkpoint a run resumes (or starts from: key checkpoint.init_from) against this run's model shape
+    (SHAPE_KEYS, from the resolved config saved beside it), before any tensor is loaded: one line naming every
+    differing field with both values, and the ways out. max_position_embeddings shapes no weight of a RoPE model
+    (architectures' position_weights): there it may change. Warm-starting from an export (model.name_or_path) is not
+    a resume: not checked."""
     import yaml
+
+    from .architectures import ARCHITECTURES
     if checkpoint is None or not (Path(checkpoint) / CONFIG_FILE).is_file():
         return
     old, new = (yaml.safe_load(text) or {} for text in ((Path(checkpoint) / CONFIG_FILE).read_text(), config_yaml))
@@ -210,14 +214,20 @@ def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str) -> None:
     value = lambda d, key: (d.get(key.split(".")[0]) or {}).get(key.split(".")[1], SHAPE_DEFAULTS.get(key))   # noqa: E731
     trained_here = lambda d: (value(d, "tokenizer.name_or_path") is None   # noqa: E731
                               and value(d, "model.name_or_path") is None)
-    keys = [k for k in SHAPE_KEYS if k != "tokenizer.vocab_size" or trained_here(old) and trained_here(new)]
+    row = ARCHITECTURES.get(value(new, "model.architecture"))
+    keys = [k for k in SHAPE_KEYS if (k != "tokenizer.vocab_size" or trained_here(old) and trained_here(new))
+            and (k != "model.max_position_embeddings" or row is None or row.position_weights)]
     differ = [f"{k}: {value(old, k)!r} in the checkpoint, {value(new, k)!r} now" for k in keys
               if value(old, k) != value(new, k)]
-    if differ:
-        raise ConfigError(f"checkpoint.resume: {checkpoint} holds a model of another shape than this run's ("
-                          f"{'; '.join(differ)}): resume it with the config it was saved with "
-                          f"({Path(checkpoint) / CONFIG_FILE}), or start a new run in another run.output_dir "
-                          "(or this one, without --resume, with --run.overwrite=true)")
+    if not differ:
+        return
+    if key == "checkpoint.resume":
+        ways = (f"resume it with the config it was saved with ({Path(checkpoint) / CONFIG_FILE}), or start a new run in "
+                "another run.output_dir (or this one, without --resume, with --run.overwrite=true)")
+    else:
+        ways = f"set these fields to the checkpoint's values ({Path(checkpoint) / CONFIG_FILE}), or start from another run"
+    raise ConfigError(f"{key}: {checkpoint} holds a model of another shape than this run's ({'; '.join(differ)}): "
+                      f"{ways}")
 
 
 def tokenizer_record(tokenizer, source: str | None) -> dict:
@@ -228,7 +238,7 @@ def tokenizer_record(tokenizer, source: str | None) -> dict:
     return {"fingerprint": vocabulary_fingerprint(tokenizer), "vocab_size": len(tokenizer), "source": source}
 
 
-def check_tokenizer_fits(checkpoint: Path | None, record: dict, output_dir: Path) -> str | None:
+def check_tokenizer_fits(checkpoint: Path | None, record: dict, output_dir: Path, resumed: bool = True) -> str | None:
     """A resume's tokenizer against the one its checkpoint was trained with, before anything is written: another
     one (the same size with two ids swapped is enough: the ids then mean other words) is one line naming both and
     the ways out. -> a note for a checkpoint that records none (saved before fingerprints were), else None."""
@@ -242,12 +252,13 @@ def check_tokenizer_fits(checkpoint: Path | None, record: dict, output_dir: Path
         return None
     shown = lambda r: (f"{r['source'] or 'trained by the run'}, {r['vocab_size']} tokens, "   # noqa: E731
                        f"fingerprint {r['fingerprint'][:12]}")
-    own = Path(output_dir) / "tokenizer"
-    way = (f"resume with the run's own saved tokenizer (--tokenizer.name_or_path={own}), or "
-           if (own / "tokenizer.json").is_file() else "resume with the tokenizer it was trained with, or ")
+    own = Path(output_dir if resumed else Path(checkpoint).parent.parent) / "tokenizer"
+    verb = "resume" if resumed else "start (checkpoint.init_from)"
+    way = (f"{verb} with the run's own saved tokenizer (--tokenizer.name_or_path={own}), or "
+           if (own / "tokenizer.json").is_file() else f"{verb} with the tokenizer it was trained with, or ")
+    other = "start a new run in another run.output_dir" if resumed else "train from scratch (no checkpoint.init_from)"
     raise ConfigError(f"tokenizer: {checkpoint} was trained with another tokenizer ({shown(saved)}) than this run's "
-                      f"({shown(record)}): its token ids would mean other words; {way}start a new run in another "
-                      "run.output_dir")
+                      f"({shown(record)}): its token ids would mean other words; {way}{other}")
 
 
 def resumed_checkpoint(output_dir: str | Path, resume: str | None) -> Path | None:

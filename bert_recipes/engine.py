@@ -26,6 +26,7 @@ from .metrics import joined_rows
 from .mixture import MixedOrder
 from .modeling import batch_rows, predictions
 from .optim import build_scheduler, resume_schedule
+from .phases import carry_over
 from .throughput import peak_memory_gb
 from .ranks import all_sum, barrier, broadcast, control_group, print0, slow_barrier
 
@@ -242,6 +243,9 @@ class AccelerateEngine:
         else:   # a checkpoint from before scheduler.json: Accelerate's custom_checkpoint_0.pkl, plain data
             self.scheduler.load_state_dict(torch.load(Path(path) / "custom_checkpoint_0.pkl", weights_only=True))
         resume_schedule(self.scheduler)   # this run's schedule from the checkpoint's step (another length: optim.py)
+
+    def start_from(self, path: str, optimizer_state: bool):
+        carry_over(lambda: self.load(path), self.optimizer, self.scheduler, optimizer_state)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml, card)

@@ -82,6 +82,10 @@ class Engine(Protocol):
         """The inverse of save: the run continues with the same data and RNG streams (bit-equal to the
         uninterrupted run on CPU, where the tests show it; on GPUs not bitwise: kernels sum in varying order)."""
 
+    def start_from(self, path: str, optimizer_state: bool) -> None:
+        """A phase's start from another run's checkpoint (checkpoint.init_from): load's weights (and the optimizer's
+        state with optimizer_state), this run's optimizer settings, schedule and RNG kept (phases.carry_over)."""
+
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         """A Hugging Face model with full fp32 weights, tokenizer, recipe and card, written by rank 0 through
         <out_dir>.partial (collective, without a barrier after rank 0's write: the caller agrees on it,

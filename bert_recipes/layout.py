@@ -26,7 +26,7 @@ def saved_layout(checkpoint: Path) -> dict | None:
     return {"world": worlds} if worlds else None
 
 
-def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None:
+def resume_layout(saved: dict | None, now: dict, checkpoint: Path, key: str = "checkpoint.resume") -> str | None:
     """A resume on another number of processes -> the [resume] line saying what follows from it (None: the
     same number). The global batch is the recipe's and the accumulation follows the world size; the micro
     batches' global order is a function of (run.seed, epoch), so step k trains on the same sequences. DDP's
@@ -40,7 +40,7 @@ def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None
     if refusal:
         why, fix = refusal
         raise ConfigError(
-            f"checkpoint.resume: {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])} "
+            f"{key}: {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])} "
             f"({stages(saved)}) and this run has {now['world']} under {now['backend']} ({stages(now)}): {why}; {fix}")
     if was == now["world"]:
         return None
@@ -56,6 +56,9 @@ def resume_layout(saved: dict | None, now: dict, checkpoint: Path) -> str | None
     recut = {"deepspeed": f"; ZeRO's partitions are {universal}",
              "pipeline": f"; the replicas' ZeRO-1 partitions are {universal}",
              "fsdp": "; FSDP's shards are re-cut by torch's distributed checkpoint on load"}.get(now["kind"], "")
+    if key != "checkpoint.resume":   # a phase's start: its own batches from step 0; only the state is re-cut
+        return (f"[init] {checkpoint} was saved by {was} processes, this run has {now['world']}" + recut.replace(
+            "; ", ": ", 1) if recut else None)
     return (f"[resume] the world size changed, {was} -> {now['world']} processes: the global batch stays "
             f"micro {now['micro_batch_size']} x accum {now['accum']} x {replicas(now)}{before}; {order}; "
             "dropout and masks that do not depend on the example draw from per-rank streams, which differ" + recut)

@@ -15,13 +15,21 @@ def write_metrics(path: Path, final: dict, history: dict, extra: dict) -> None:
 
 
 def plot_curves(path: Path, history: dict, title: str) -> None:
-    """Training loss (left) and every eval metric (right) against optimizer steps."""
+    """Training loss (left) and every eval metric (middle or right) against optimizer steps; with downstream scores
+    (bert_recipes/downstream.py), a third panel: each checkpoint's fine-tuned score against its pretraining step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, evals = history.get("train", []), history.get("eval", [])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    train, evals, downstream = history.get("train", []), history.get("eval", []), history.get("downstream", [])
+    fig, axes = plt.subplots(1, 3 if downstream else 2, figsize=(16 if downstream else 11, 4))
+    ax1, ax2 = axes[0], axes[1]
+    if downstream:   # checkpoint.downstream: each checkpoint fine-tuned (tools/downstream.py)
+        metric = downstream[-1]["metric"]
+        axes[2].plot([r["step"] for r in downstream], [r["value"] for r in downstream], "s-", color="tab:green",
+                     label=f"fine-tuned {metric}")
+        axes[2].set_xlabel("pretraining step"), axes[2].set_title("downstream score of each checkpoint")
+        axes[2].legend(), axes[2].grid(alpha=0.3)
     if train:
         ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     loss_evals = [r for r in evals if "eval_loss" in r]

@@ -20,6 +20,7 @@ from pathlib import Path
 from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
 from .checkpoint import check_checkpoint_fits, check_resume_path, resumed_checkpoint
+from .downstream import check_downstream
 from .config import (PATH_KEYS, Config, ConfigError, check_mask_rate, padded_batches, parse_train_args, path_kind, resolve, to_yaml,
                      validate)
 from .corpora import FILE_KEYS, resolve_into
@@ -64,6 +65,7 @@ def check_paths(cfg: Config) -> list[str]:
     if cfg.data.source == "prepared":
         check_prepared_dir(cfg.data)
     check_resume_path(cfg.checkpoint.resume)
+    check_downstream(cfg.checkpoint.downstream, cfg.task.kind)
     return notes
 
 
@@ -137,8 +139,26 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
     # an output_dir holding another run's checkpoints is refused (run.overwrite replaces it)
     notes += check_output_dir(Path(cfg.run.output_dir), to_yaml(cfg), cfg.checkpoint.resume, cfg.run.overwrite)
     # a checkpoint of another model shape: one line now, not torch's size mismatch after the data is prepared
-    check_checkpoint_fits(resumed_checkpoint(cfg.run.output_dir, cfg.checkpoint.resume), to_yaml(cfg))
+    resumed = resumed_checkpoint(cfg.run.output_dir, cfg.checkpoint.resume)
+    check_checkpoint_fits(resumed, to_yaml(cfg))
+    if resumed is None and cfg.checkpoint.init_from:   # a phase's first start (a preempted one resumes itself)
+        notes += start_from_checkpoint(cfg)
     check_caches(cfg)
+    return notes
+
+
+def start_from_checkpoint(cfg: Config) -> list[str]:
+    """checkpoint.init_from resolved into the run's config (the checkpoint itself, not a run directory), the source
+    run's tokenizer where the recipe names none, and the checkpoint's shape against this run's. -> the note."""
+    from .phases import its_tokenizer, resolve_init
+    checkpoint = resolve_init(cfg.checkpoint.init_from)
+    cfg.checkpoint.init_from = str(checkpoint)
+    notes = []
+    tokenizer = its_tokenizer(checkpoint)
+    if cfg.tokenizer.name_or_path is None and tokenizer is not None:
+        cfg.tokenizer.name_or_path = str(tokenizer)
+        notes.append(f"[init] tokenizer.name_or_path={tokenizer}: the tokenizer the checkpoint was trained with")
+    check_checkpoint_fits(checkpoint, to_yaml(cfg), key="checkpoint.init_from")
     return notes
 
 

@@ -121,7 +121,7 @@ def start_output_dir(output_dir: Path, config_yaml: str, overwrite: bool, resume
     """Rank 0, once the run is known to start: clear an old run when run.overwrite asks for it
     (never on a resume), then write the resolved config."""
     if overwrite and resume is None:
-        for name in ("checkpoints", "model", "logs", "tokenizer", "metrics.json", "curves.png"):
+        for name in ("checkpoints", "model", "logs", "tokenizer", "metrics.json", "curves.png", "downstream"):
             target = output_dir / name
             if target.is_dir():
                 shutil.rmtree(target)

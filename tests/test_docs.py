@@ -201,4 +201,8 @@ def test_a_memory_example_prints_what_the_docs_show_and_what_fits_passes_preflig
             overrides.append(f"train.mixed_precision={pairs['--precision']}")
         plan = launch_plan(pairs["--config"]) if "--config" in pairs else LaunchPlan(on_gpu=False)
         world = int(pairs.get("--world", plan.num_processes or 1))
-        preflight(load_config(REPO / pairs["--recipe"], overrides), plan, world)   # raises ConfigError if refused
+        cfg = load_config(REPO / pairs["--recipe"], overrides)
+        if cfg.checkpoint.init_from and not (REPO / cfg.checkpoint.init_from).exists():
+            cfg.checkpoint.init_from = None   # a later phase: its source run is not on this machine (the shape is
+            cfg.checkpoint.init_optimizer = False   # the recipe's own model fields, which the planner reads)
+        preflight(cfg, plan, world)   # raises ConfigError if refused

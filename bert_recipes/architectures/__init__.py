@@ -13,18 +13,20 @@ class Architecture:
     """One row: model_type, the transformers config's (a checkpoint of this type builds this architecture);
     own_fields, the model.* recipe fields only this architecture has (set under another: one line, never ignored);
     layer_class, its encoder layer (FSDP's unit, accelerate_configs/fsdp.yaml); attention_dropout, its default
-    (a fresh config's, or a checkpoint's that does not say); title, for lines."""
+    (a fresh config's, or a checkpoint's that does not say); title, for lines; position_weights, whether
+    max_position_embeddings shapes a weight (BERT's learned positions; RoPE has none, so a later phase may grow it)."""
     model_type: str
     own_fields: tuple[str, ...]
     layer_class: str
     attention_dropout: float
     title: str
+    position_weights: bool
 
 
 ARCHITECTURES = {
-    "bert": Architecture("bert", ("hidden_dropout_prob",), "BertLayer", 0.1, "BERT"),
+    "bert": Architecture("bert", ("hidden_dropout_prob",), "BertLayer", 0.1, "BERT", True),
     "modernbert": Architecture("modernbert", ("local_attention", "global_attn_every_n_layers", "global_rope_theta",
-                                              "local_rope_theta"), "ModernBertEncoderLayer", 0.0, "ModernBERT"),
+                                              "local_rope_theta"), "ModernBertEncoderLayer", 0.0, "ModernBERT", False),
 }
 
 

@@ -37,6 +37,7 @@ from ..memory import bubble_line
 from ..metrics import joined_rows
 from ..modeling import batch_rows, masked_lm_loss, predictions
 from ..optim import resume_schedule
+from ..phases import carry_over
 from ..ranks import all_sum, broadcast, control_group, print0, slow_barrier
 from ..rng import load_rng_state, save_rng_state
 from .accelerator import cpu_affinity
@@ -370,6 +371,9 @@ class PipelineEngine:
             self.engine.load_checkpoint(str(source), tag="engine")
         resume_schedule(self.scheduler)   # this run's schedule from the checkpoint's step (another length: optim.py)
         load_rng_state(path, self.rank, self.on_gpu)
+
+    def start_from(self, path: str, optimizer_state: bool):
+        carry_over(lambda: self.load(path), self.engine.optimizer, self.scheduler, optimizer_state)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         """Gather every stage's weights onto rank 0 and write an ordinary Hugging Face model, in fp32:

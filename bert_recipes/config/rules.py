@@ -86,6 +86,8 @@ PATH_KEYS = {
     "data.cache_dir": "write dir",
     "data.sample_dir": "write dir",
     "checkpoint.resume": "read dir",
+    "checkpoint.init_from": "read dir",
+    "checkpoint.downstream": "read file",
 }
 
 
@@ -245,6 +247,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.max_seq_length={d.max_seq_length} exceeds "
                           f"model.max_position_embeddings={m.max_position_embeddings}")
     check_architecture(m)
+    c = cfg.checkpoint
+    if c.init_optimizer and not c.init_from:
+        raise ConfigError("checkpoint.init_optimizer=true needs checkpoint.init_from (the run whose optimizer state to "
+                          "carry over)")
+    if c.init_from and m.name_or_path:
+        raise ConfigError(f"checkpoint.init_from={c.init_from} and model.name_or_path={m.name_or_path} both give the "
+                          "weights: keep one (init_from: a run's checkpoint; name_or_path: an export or a Hub model)")
     if m.name_or_path is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
                           f"model.num_attention_heads={m.num_attention_heads}")

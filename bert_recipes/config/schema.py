@@ -402,6 +402,20 @@ class CheckpointConfig:
     resume: Optional[str] = None
     """None: start fresh. 'auto': the latest complete checkpoint in output_dir, if any.
     Or a path to one checkpoint directory."""
+    init_from: Optional[str] = None
+    """Start this run (a phase: context extension, decay) from another run's checkpoint: a run's output_dir (its
+    latest complete checkpoint) or one checkpoint directory, resolved into the run's config. Its weights carry over
+    (and with init_optimizer its optimizer state); the step, this recipe's lr schedule, the data position and the
+    random generators start anew. The tokenizer is the source run's unless the recipe names one. A resume of this
+    run (checkpoint.resume) comes first: a preempted phase continues itself (bert_recipes/phases.py)."""
+    init_optimizer: bool = False
+    """checkpoint.init_from: also carry the optimizer's state over (AdamW's moments and step counts); false starts
+    them at zero, as a new run does."""
+    downstream: Optional[str] = None
+    """mlm: a fine-tuning recipe that scores each saved checkpoint (e.g. recipes/tiny-classify.yaml). Every save also
+    exports that step's model to <output_dir>/downstream/step_XXXXXXXX/model, which the rotation (keep_last) does
+    not touch; make downstream RUN=<output_dir> (tools/downstream.py) fine-tunes each in its own process and adds
+    the scores to metrics.json, curves.png and the run's trackers (bert_recipes/downstream.py)."""
     save_final: bool = True
     """Save a checkpoint at the end of a finished run (a halted or preempted run always saves one, to
     resume from). false: benchmarks, which need no 1.3 GB checkpoint of BERT-base."""

@@ -1,0 +1,83 @@
+"""The downstream score of each checkpoint (checkpoint.downstream, bert_recipes/downstream.py, tools/downstream.py):
+a tiny pretraining on 2 processes exports each save's model apart from the rotation; the tool fine-tunes each in its
+own process and puts the scores into the run's metrics.json, curves.png and trackers (TensorBoard, the MLflow run
+continued), by pretraining step; a
+scored step is not fine-tuned again; a live run's files are left alone; each bad value is one line."""
+from __future__ import annotations
+
+import json
+import sys
+
+from conftest import REPO, launch, refused_in_process, tiny_args
+
+sys.path.insert(0, str(REPO / "tools"))
+import downstream as tool  # noqa: E402 (tools/downstream.py: a tool's, not a training run's)
+
+FINE_TUNE = ["--train.epochs=null", "--train.max_steps=6", "--data.max_train_samples=256", "--data.max_eval_samples=96",
+             "--train.eval_every=null", "--logging.trackers=[]", "--logging.plot=false", "--checkpoint.save_every=null",
+             "--model.max_position_embeddings=64", "--data.max_seq_length=32"]
+
+
+def test_each_checkpoint_gets_its_downstream_score(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
+    run = tmp_path / "pretrain"
+    result = launch(2, tiny_args(run, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "checkpoint.save_every": 4,
+        "checkpoint.keep_last": 1, "checkpoint.downstream": REPO / "recipes/tiny-classify.yaml",
+        "logging.trackers": "[tensorboard,mlflow]", "logging.plot": True}))
+    assert result["final"]["num_processes"] == 2 and result["final"]["backend"]["name"] == "ddp"
+    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_00000008"]   # the rotation ran ...
+    assert sorted(p.name for p in (run / "downstream").iterdir()) == ["step_00000004", "step_00000008"]   # ... not here
+    before = (run / "curves.png").stat().st_size
+    common = [f"--data.sample_dir={sample_dir}", f"--data.cache_dir={datasets_cache}"]
+    assert tool.main([str(run), "--", *common, *FINE_TUNE]) == 0
+    said = capsys.readouterr().out
+    metrics = json.loads((run / "metrics.json").read_text())
+    rows = metrics["history"]["downstream"]
+    assert [r["step"] for r in rows] == [4, 8] and all(r["metric"] == "accuracy" and 0 <= r["value"] <= 1 for r in rows)
+    assert metrics["final"]["downstream"] == {"step": 8, "accuracy": rows[-1]["value"]}
+    for row in rows:   # each score is its fine-tune's own final accuracy, from the export of that step
+        finetune = run / f"downstream/step_{row['step']:08d}/finetune"
+        assert json.loads((finetune / "metrics.json").read_text())["final"]["accuracy"] == row["value"]
+        assert str(run / f"downstream/step_{row['step']:08d}/model") in (finetune / "config.yaml").read_text()
+    assert "[downstream] step 4: accuracy" in said and "[downstream] 2 scores" in said
+    assert (run / "curves.png").stat().st_size != before   # redrawn with the downstream panel
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run / "logs" / metrics["config"]["run/name"]))
+    events.Reload()
+    assert [e.step for e in events.Scalars("downstream/accuracy")] == [4, 8]
+    from mlflow.tracking import MlflowClient   # the pretraining's own MLflow run, continued
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'logs/mlflow.db'}")
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name(metrics["config"]["run/name"]).experiment_id])
+    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "downstream/accuracy")] == [4, 8]
+    assert client.get_metric_history(mlflow_run.info.run_id, "train/loss")   # (the same run as the pretraining's)
+
+    assert tool.main([str(run), "--", *common, *FINE_TUNE]) == 0   # scored already: nothing fine-tuned again
+    assert "fine-tuning" not in capsys.readouterr().out
+    from bert_recipes.run_dir import OutputDirLock
+    (run / "downstream/step_00000004/score.json").unlink()
+    lock = OutputDirLock(run, 60)
+    lock.acquire(0)   # a live run holds its directory: the score waits in score.json, metrics.json is not touched
+    try:
+        written = (run / "metrics.json").read_text()
+        assert tool.main([str(run), "--", *common, *FINE_TUNE]) == 0
+        assert "is held by a live run (run.lock)" in capsys.readouterr().out
+        assert (run / "metrics.json").read_text() == written and (run / "downstream/step_00000004/score.json").is_file()
+    finally:
+        lock.release()
+
+
+def test_bad_downstream_settings_are_one_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
+    cases = [({"checkpoint.downstream": REPO / "recipes/tiny-mlm.yaml"},
+              "is a task.kind=mlm recipe: give a fine-tuning (classification) recipe"),
+             ({"checkpoint.downstream": tmp_path / "missing.yaml"}, "not found: give a fine-tuning recipe file")]
+    for extra, said in cases:
+        argv = [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache,
+                                            **{"tokenizer.name_or_path": shared_tokenizer, **extra})]
+        assert said in refused_in_process(argv, tmp_path / "run", capsys)
+    argv = [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache, task="classification", **{
+        "checkpoint.downstream": REPO / "recipes/tiny-classify.yaml", "tokenizer.name_or_path": shared_tokenizer})]
+    assert "scores a pretraining's checkpoints, and task.kind=classification" in refused_in_process(
+        argv, tmp_path / "run", capsys)
+    (tmp_path / "empty").mkdir()
+    assert tool.main([str(tmp_path / "empty")]) == 2
+    assert "holds no run (no config.yaml)" in capsys.readouterr().err
