@@ -245,7 +245,7 @@ class AccelerateEngine:
         resume_schedule(self.scheduler)   # this run's schedule from the checkpoint's step (another length: optim.py)
 
     def start_from(self, path: str, optimizer_state: bool):
-        carry_over(lambda: self.load(path), self.optimizer, self.scheduler, optimizer_state)
+        carry_over(lambda: self.load(path), self.optimizer, self.scheduler, optimizer_state, self.on_gpu)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml, card)

@@ -46,10 +46,11 @@ def its_tokenizer(checkpoint: Path) -> Path | None:
     return saved if (saved / "tokenizer.json").is_file() or (saved / "vocab.txt").is_file() else None
 
 
-def carry_over(load, optimizer, scheduler, optimizer_state: bool) -> None:
+def carry_over(load, optimizer, scheduler, optimizer_state: bool, on_gpu: bool) -> None:
     """Load a checkpoint through the engine (`load`: its resume path, which re-cuts a checkpoint of another process
     count) and keep what this run starts anew: every optimizer group's settings (lr, betas, weight decay: this
-    recipe's), the schedule at this run's step 0, the random generators as this run has them; and without
+    recipe's), the schedule at this run's step 0, the random generators as this run has them (on_gpu: the plan's,
+    the CUDA ones too); and without
     `optimizer_state`, no optimizer state at all (the moments and step counts start at zero, as in a new run)."""
     import random
 
@@ -58,7 +59,7 @@ def carry_over(load, optimizer, scheduler, optimizer_state: bool) -> None:
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     schedule = scheduler.state_dict()
     generators = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                  torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+                  torch.cuda.get_rng_state_all() if on_gpu else None)
     load()
     for group, kept in zip(optimizer.param_groups, settings):
         group.update(kept)

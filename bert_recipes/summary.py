@@ -21,6 +21,13 @@ def summarize(run_dirs: list[str]) -> str:
         if kind == "mlm":
             lines.append(f"  MLM train loss   {final['first_train_loss']:.3f} -> {final['last_train_loss']:.3f}")
             lines.append(f"  MLM eval loss    {final['eval_loss']:.3f} (perplexity {final['perplexity']:.1f})")
+            exports = sorted(p.name for p in (run / "downstream").glob("step_*"))   # checkpoint.downstream
+            if "downstream" in m["history"]:
+                lines.append("  downstream       " + ", ".join(f"step {r['step']}: {r['metric']} {r['value']:.3f}"
+                                                               for r in m["history"]["downstream"]))
+            elif exports:
+                lines.append(f"  downstream       {len(exports)} checkpoint exports to score: make downstream "
+                             f"RUN={run} CPU=1")
         else:
             lines.append(f"  train loss       {final['first_train_loss']:.3f} -> {final['last_train_loss']:.3f}")
             if "accuracy" in final:
