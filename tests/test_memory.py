@@ -95,18 +95,24 @@ CASES = [
 ]
 
 
+def measured(model, config, task, batch, seq, labels, padded, precision) -> tuple[dict, int]:
+    """What one training forward of a tiny batch saves (tools/measure.py), the model in `precision`'s dtype.
+    -> (the measurement, the masked tokens of an MLM batch)."""
+    if precision == "half":
+        model.to(torch.bfloat16)
+    model.train()
+    masked = math.ceil(0.15 * batch * seq)
+    data = tiny_batch(task, batch, seq, config.vocab_size, masked, labels, padded)
+    return measure_activations(model, data, torch.bfloat16 if precision == "autocast" else None), masked
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_activation_estimate_matches_saved_tensors(case):
     task, hidden, layers, heads, batch, seq, precision, attn, p, p_attn, sparse, ckpt, padded, labels, *impl = case
     impl = impl[0] if impl else "torch"
     torch.manual_seed(0)
     model, config = tiny_model(task, hidden, layers, heads, seq, p, p_attn, attn, sparse, ckpt, labels, impl)
-    if precision == "half":
-        model.to(torch.bfloat16)
-    model.train()
-    masked = math.ceil(0.15 * batch * seq)
-    data = tiny_batch(task, batch, seq, config.vocab_size, masked, labels, padded)
-    got = measure_activations(model, data, torch.bfloat16 if precision == "autocast" else None)
+    got, masked = measured(model, config, task, batch, seq, labels, padded, precision)
     work = Workload(batch=batch, seq=seq, hidden_dropout=p, attention_dropout=p_attn, attn_implementation=attn,
                     sparse_head=sparse, masked_tokens=masked, padded=padded, dropout_impl=impl)
     shape = Shape.from_config(config, task)
@@ -180,12 +186,7 @@ def test_modernbert_activation_estimate_matches_saved_tensors(case):
     torch.manual_seed(0)
     model, config = tiny_modernbert(task, layers, every, window, seq, attn, p_attn, ckpt, labels)
     assert "sliding_attention" in config.layer_types and "full_attention" in config.layer_types
-    if precision == "half":
-        model.to(torch.bfloat16)
-    model.train()
-    masked = math.ceil(0.15 * batch * seq)
-    data = tiny_batch(task, batch, seq, config.vocab_size, masked, labels, padded)
-    got = measure_activations(model, data, torch.bfloat16 if precision == "autocast" else None)
+    got, masked = measured(model, config, task, batch, seq, labels, padded, precision)
     work = Workload(batch=batch, seq=seq, hidden_dropout=0.0, attention_dropout=p_attn, attn_implementation=attn,
                     masked_tokens=masked, padded=padded)
     estimate = activation_bytes(Shape.from_config(config, task), work, precision, "cpu", ckpt)
