@@ -152,6 +152,10 @@ def start_from_checkpoint(cfg: Config) -> list[str]:
     run's tokenizer where the recipe names none, and the checkpoint's shape against this run's. -> the note."""
     from .phases import its_tokenizer, resolve_init
     checkpoint = resolve_init(cfg.checkpoint.init_from)
+    if Path(cfg.run.output_dir).resolve() in checkpoint.resolve().parents:
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} is inside this run's run.output_dir="
+                          f"{cfg.run.output_dir}: a phase writes into a directory of its own (its start would replace "
+                          "the checkpoint it starts from); set another run.output_dir")
     cfg.checkpoint.init_from = str(checkpoint)
     notes = []
     tokenizer = its_tokenizer(checkpoint)

@@ -97,6 +97,13 @@ def test_bad_phase_settings_are_one_line(tmp_path, sample_dir, datasets_cache, s
         argv = [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache,
                                             **{"tokenizer.name_or_path": shared_tokenizer, **extra})]
         assert said in refused_in_process(argv, tmp_path / "run", capsys)
+    source = tmp_path / "source"
+    run_in_process(tiny_args(source, sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer,
+                                                                     "train.max_steps": 2}))
+    argv = [f"--{a}" for a in tiny_args(source, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "checkpoint.init_from": source, "run.overwrite": True})]
+    assert f"checkpoint.init_from={source} is inside this run's run.output_dir={source}" in refused_in_process(
+        argv, source, capsys)
 
 
 def test_phases_chain_on_2_processes_and_under_the_pipeline(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
