@@ -136,8 +136,32 @@ def _tree_outputs_unchanged(request):
                     "its tmp_path, never where a run writes by default", pytrace=False)
 
 
+_ENV_CHANGED: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored(request):
+    """What a test leaves in os.environ is put back after it, and the test is named at the end of the session: the
+    warm server forks only for a launch whose environment is its own, so one leaked variable (MLflow's request
+    settings, twice so far: 42 minutes instead of 20) makes every later launch start cold. A test sets variables
+    through monkeypatch (undone before this), or restores them itself (run_in_process does)."""
+    before = dict(os.environ)
+    yield
+    own = "PYTEST_CURRENT_TEST"   # pytest's own, set and removed by pytest around every phase
+    changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k) and k != own)
+    if changed:
+        for key in changed:
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                del os.environ[key]
+        _ENV_CHANGED.append(f"{request.node.nodeid} ({', '.join(changed)})")
+
+
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(warm_summary())
+    if _ENV_CHANGED:
+        terminalreporter.write_line("os.environ changed by, and restored after: " + "; ".join(_ENV_CHANGED))
 
 
 def pytest_collection_modifyitems(session, config, items):

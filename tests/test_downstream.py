@@ -6,12 +6,28 @@ scored step is not fine-tuned again; a live run's files are left alone; each bad
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from conftest import REPO, launch, refused_in_process, tiny_args
 
 sys.path.insert(0, str(REPO / "tools"))
 import downstream as tool  # noqa: E402 (tools/downstream.py: a tool's, not a training run's)
+
+def run_tool(argv: list[str]) -> int:
+    """tools/downstream.py's main in this process, which opens the run's trackers: what that sets in os.environ
+    (MLflow's request settings) and Accelerate's process state are undone after it, as run_in_process does, or every
+    later launch of the suite would start cold (the warm server refuses another environment)."""
+    from accelerate.state import AcceleratorState, GradientState
+    environment = dict(os.environ)
+    try:
+        return tool.main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
 
 FINE_TUNE = ["--train.epochs=null", "--train.max_steps=6", "--data.max_train_samples=256", "--data.max_eval_samples=96",
              "--train.eval_every=null", "--logging.trackers=[]", "--logging.plot=false", "--checkpoint.save_every=null",
@@ -29,7 +45,7 @@ def test_each_checkpoint_gets_its_downstream_score(tmp_path, sample_dir, dataset
     assert sorted(p.name for p in (run / "downstream").iterdir()) == ["step_00000004", "step_00000008"]   # ... not here
     before = (run / "curves.png").stat().st_size
     common = [f"--data.sample_dir={sample_dir}", f"--data.cache_dir={datasets_cache}"]
-    assert tool.main([str(run), "--", *common, *FINE_TUNE]) == 0
+    assert run_tool([str(run), "--", *common, *FINE_TUNE]) == 0
     said = capsys.readouterr().out
     metrics = json.loads((run / "metrics.json").read_text())
     rows = metrics["history"]["downstream"]
@@ -51,7 +67,7 @@ def test_each_checkpoint_gets_its_downstream_score(tmp_path, sample_dir, dataset
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "downstream/accuracy")] == [4, 8]
     assert client.get_metric_history(mlflow_run.info.run_id, "train/loss")   # (the same run as the pretraining's)
 
-    assert tool.main([str(run), "--", *common, *FINE_TUNE]) == 0   # scored already: nothing fine-tuned again
+    assert run_tool([str(run), "--", *common, *FINE_TUNE]) == 0   # scored already: nothing fine-tuned again
     assert "fine-tuning" not in capsys.readouterr().out
     from bert_recipes.run_dir import OutputDirLock
     (run / "downstream/step_00000004/score.json").unlink()
@@ -59,7 +75,7 @@ def test_each_checkpoint_gets_its_downstream_score(tmp_path, sample_dir, dataset
     lock.acquire(0)   # a live run holds its directory: the score waits in score.json, metrics.json is not touched
     try:
         written = (run / "metrics.json").read_text()
-        assert tool.main([str(run), "--", *common, *FINE_TUNE]) == 0
+        assert run_tool([str(run), "--", *common, *FINE_TUNE]) == 0
         assert "is held by a live run (run.lock)" in capsys.readouterr().out
         assert (run / "metrics.json").read_text() == written and (run / "downstream/step_00000004/score.json").is_file()
     finally:
@@ -79,5 +95,5 @@ def test_bad_downstream_settings_are_one_line(tmp_path, sample_dir, datasets_cac
     assert "scores a pretraining's checkpoints, and task.kind=classification" in refused_in_process(
         argv, tmp_path / "run", capsys)
     (tmp_path / "empty").mkdir()
-    assert tool.main([str(tmp_path / "empty")]) == 2
+    assert run_tool([str(tmp_path / "empty")]) == 2
     assert "holds no run (no config.yaml)" in capsys.readouterr().err

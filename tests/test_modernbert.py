@@ -1,6 +1,6 @@
 """ModernBERT (model.architecture=modernbert, bert_recipes/architectures/modernbert.py) through the recipe's own runs:
-packed documents that attend apart, StableAdamW, halted and resumed bit-exact on one process; 2 processes under DDP
-and FSDP2, and ZeRO-2 halted on 2 and resumed on 1, ending within the suite's band of the DDP run; the export loads with
+packed documents that attend apart, StableAdamW, halted and resumed bit-exact on one process; 2 processes under DDP,
+FSDP2 and ZeRO-3, and ZeRO-2 halted on 2 and resumed on 1, ending within the suite's band of the DDP run; the export loads with
 AutoModelForMaskedLM and gives the training class's logits; FSDP's unit is its encoder layer; each field of the other
 architecture, an unknown architecture, a checkpoint of the other one and the pipeline engine are one line each.
 
@@ -69,7 +69,8 @@ def test_a_halted_modernbert_resumes_bit_exact_and_exports_as_itself(tmp_path, s
 
 def test_modernbert_trains_on_2_processes_and_resumes_on_1(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """DDP on 2 processes (every rank's weights equal); FSDP2 on 2 (forced onto CPU processes by the tests' harness,
-    its units the model's own layer class) within 1e-5 of DDP; ZeRO-2 on 2 processes halted at step 6 and resumed on
+    its units the model's own layer class) and ZeRO-3 (parameters sharded, the export gathered) within 1e-5 of DDP;
+    ZeRO-2 on 2 processes halted at step 6 and resumed on
     1: it ends within 1e-5 of the DDP run's weights, with the DDP run's losses before the halt."""
     ddp = launch(2, args(tmp_path / "ddp", sample_dir, datasets_cache, shared_tokenizer))
     assert ddp["final"]["num_processes"] == 2 and ddp["final"]["backend"]["name"] == "ddp"
@@ -78,6 +79,9 @@ def test_modernbert_trains_on_2_processes_and_resumes_on_1(tmp_path, sample_dir,
     assert fsdp["final"]["num_processes"] == 2 and fsdp["final"]["backend"]["name"] == "fsdp"
     assert fsdp["final"]["backend"]["params_sharded"]   # FSDP2 units of ModernBertEncoderLayer (backends/fsdp.py)
     assert_same_weights(tmp_path / "ddp/model/model.safetensors", tmp_path / "fsdp/model/model.safetensors", TOL)
+    zero3 = launch(2, args(tmp_path / "zero3", sample_dir, datasets_cache, shared_tokenizer), backend="zero3")
+    assert zero3["final"]["backend"]["name"] == "zero3" and zero3["final"]["backend"]["params_sharded"]
+    assert_same_weights(tmp_path / "ddp/model/model.safetensors", tmp_path / "zero3/model/model.safetensors", TOL)
     zero = launch(2, args(tmp_path / "zero2", sample_dir, datasets_cache, shared_tokenizer,
                           **{"train.halt_at_step": 6}), backend="zero2")
     assert zero["final"] == {"steps": 6, "halted": True}
