@@ -118,6 +118,16 @@ def classification_loss(logits, labels, num_labels: int):
     return F.cross_entropy(logits.view(-1, num_labels).float(), labels.view(-1))
 
 
+class ExportedAs:
+    """save_pretrained whose config.json names the plain transformers class the export loads as (`exported_class`):
+    a recipe class changes no weight, and a reader of the export needs none of this package."""
+    exported_class = ""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        exported_as(save_directory, self.exported_class)
+
+
 def exported_as(save_directory, architecture: str) -> None:
     """An export's config.json names the plain transformers class it loads as (the recipe's subclasses change no
     weight)."""

@@ -80,7 +80,8 @@ def test_modernbert_trains_on_2_processes_and_resumes_on_1(tmp_path, sample_dir,
     assert fsdp["final"]["backend"]["params_sharded"]   # FSDP2 units of ModernBertEncoderLayer (backends/fsdp.py)
     assert_same_weights(tmp_path / "ddp/model/model.safetensors", tmp_path / "fsdp/model/model.safetensors", TOL)
     zero3 = launch(2, args(tmp_path / "zero3", sample_dir, datasets_cache, shared_tokenizer), backend="zero3")
-    assert zero3["final"]["backend"]["name"] == "zero3" and zero3["final"]["backend"]["params_sharded"]
+    assert zero3["final"]["num_processes"] == 2 and zero3["final"]["backend"]["name"] == "zero3"
+    assert zero3["final"]["backend"]["params_sharded"] and "DEEPSPEED" in zero3["final"]["backend"]["distributed_type"]
     assert_same_weights(tmp_path / "ddp/model/model.safetensors", tmp_path / "zero3/model/model.safetensors", TOL)
     zero = launch(2, args(tmp_path / "zero2", sample_dir, datasets_cache, shared_tokenizer,
                           **{"train.halt_at_step": 6}), backend="zero2")

@@ -115,7 +115,9 @@ def test_phases_chain_on_2_processes_and_under_the_pipeline(tmp_path, sample_dir
     one = launch(2, args(tmp_path / "ddp1", sample_dir, datasets_cache, **base, **{"train.max_steps": 8}))
     assert one["final"]["num_processes"] == 2 and one["final"]["backend"]["name"] == "ddp"
     phase2 = {"train.max_steps": 6, "optim.warmup_steps": 0}
-    launch(2, args(tmp_path / "ddp2", sample_dir, datasets_cache, **phase2, **{"checkpoint.init_from": tmp_path / "ddp1"}))
+    two = launch(2, args(tmp_path / "ddp2", sample_dir, datasets_cache, **phase2,
+                         **{"checkpoint.init_from": tmp_path / "ddp1"}))
+    assert two["final"]["num_processes"] == 2 and two["final"]["backend"]["name"] == "ddp"
     assert "[init] from" in (tmp_path / "ddp2.log").read_text()
     launch(2, args(tmp_path / "export2", sample_dir, datasets_cache, **phase2, **{
         "model.name_or_path": tmp_path / "ddp1/model", "tokenizer.name_or_path": tmp_path / "ddp1/tokenizer"}))
@@ -123,10 +125,11 @@ def test_phases_chain_on_2_processes_and_under_the_pipeline(tmp_path, sample_dir
 
     bert = {**base, "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
     first = launch(2, tiny_args(tmp_path / "pipe1", sample_dir, datasets_cache, **bert), backend="pipeline")
-    assert first["final"]["backend"]["name"] == "pipeline"
+    assert first["final"]["num_processes"] == 2 and first["final"]["backend"]["name"] == "pipeline"
     second = launch(2, tiny_args(tmp_path / "pipe2", sample_dir, datasets_cache, **bert, **{
         "checkpoint.init_from": tmp_path / "pipe1", "checkpoint.init_optimizer": True, "train.max_steps": 4}),
         backend="pipeline")
+    assert second["final"]["num_processes"] == 2 and second["final"]["backend"]["name"] == "pipeline"
     assert second["final"]["steps"] == 4 and "[init] from" in (tmp_path / "pipe2.log").read_text()
     assert losses(tmp_path / "pipe2")[0] < losses(tmp_path / "pipe1")[0] - 1.0
 

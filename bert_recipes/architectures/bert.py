@@ -6,10 +6,9 @@ from __future__ import annotations
 from transformers import BertForMaskedLM, BertForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from ..modeling import RecipeMaskedLM, classification_loss, document_kwargs, exported_as
+from ..modeling import ExportedAs, RecipeMaskedLM, classification_loss, document_kwargs
 
-ENCODER_PREFIX = "bert."                                  # what a checkpoint must hold: the encoder's tensors ...
-HEAD_PREFIXES = ("cls.", "classifier.", "bert.pooler.")  # ... but for the heads a task may start anew
+HEAD_PREFIXES = ("cls.", "classifier.", "bert.pooler.")  # what a task may start anew; the rest is the encoder
 EMBEDDING_ENTRIES = 5                                     # word, position, token-type embeddings, LayerNorm w and b
 
 
@@ -30,10 +29,6 @@ def overrides(model_cfg) -> dict:
             if v is not None}
 
 
-def attention_dropout(config) -> float:
-    return config.attention_probs_dropout_prob
-
-
 class BertEncoding:
     """BERT's encoder as RecipeMaskedLM and the classifier call it: documents (ids, cu_seqlens, max_seqlen) become
     positions within each document and the run's attention path's arguments."""
@@ -47,13 +42,14 @@ class BertEncoding:
                          **kwargs).last_hidden_state
 
 
-class RecipeBertForMaskedLM(BertEncoding, RecipeMaskedLM, BertForMaskedLM):
+class RecipeBertForMaskedLM(ExportedAs, BertEncoding, RecipeMaskedLM, BertForMaskedLM):
     """BertForMaskedLM with RecipeMaskedLM's forward, and one change that leaves the maths and the exported weights
     alone: the decoder bias is registered once. Hugging Face registers the same Parameter twice
     (`cls.predictions.bias` and `cls.predictions.decoder.bias`), which FSDP2 rejects when the two names land in
     different shard groups. Here the decoder is bias-free and the head adds `cls.predictions.bias`; an export loads
     into a plain BertForMaskedLM, which re-ties them."""
     _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+    exported_class = "BertForMaskedLM"
 
     def __init__(self, config):
         super().__init__(config)
@@ -63,17 +59,14 @@ class RecipeBertForMaskedLM(BertEncoding, RecipeMaskedLM, BertForMaskedLM):
         predictions = self.cls.predictions
         return predictions.decoder(predictions.transform(hidden)) + predictions.bias
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        exported_as(save_directory, "BertForMaskedLM")
 
-
-class RecipeBertForSequenceClassification(BertEncoding, BertForSequenceClassification):
+class RecipeBertForSequenceClassification(ExportedAs, BertEncoding, BertForSequenceClassification):
     """BertForSequenceClassification that also takes a batch run unpadded (data.unpad): one row holding every
     sequence's real tokens, each attending within itself with its own positions (bert_recipes/attention.py); the
     pooled output is each sequence's first token's, as the padded path pools. The weights, the padded path and the
     export are BertForSequenceClassification's."""
     attention_path: str | None = None
+    exported_class = "BertForSequenceClassification"
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 document_ids=None, cu_seqlens=None, max_seqlen=None, sequence_starts=None, **kwargs):
@@ -85,10 +78,6 @@ class RecipeBertForSequenceClassification(BertEncoding, BertForSequenceClassific
         logits = self.classifier(self.dropout(pooled))
         loss = classification_loss(logits, labels, self.num_labels) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        exported_as(save_directory, "BertForSequenceClassification")
 
 
 MASKED_LM, SEQUENCE_CLASSIFICATION = RecipeBertForMaskedLM, RecipeBertForSequenceClassification

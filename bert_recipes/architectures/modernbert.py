@@ -14,7 +14,7 @@ import torch
 from transformers import ModernBertForMaskedLM, ModernBertForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from ..modeling import RecipeMaskedLM, classification_loss, document_kwargs, exported_as
+from ..modeling import ExportedAs, RecipeMaskedLM, classification_loss, document_kwargs
 
 HEAD_PREFIXES = ("head.", "decoder.", "classifier.")   # what a task may start anew; the rest is the encoder
 EMBEDDING_ENTRIES = 2                                    # token embeddings, their LayerNorm (no bias)
@@ -56,10 +56,6 @@ def with_recipe_fields(config, model_cfg):
     return config
 
 
-def attention_dropout(config) -> float:
-    return config.attention_dropout
-
-
 class ModernBertEncoding:
     """ModernBERT's encoder as RecipeMaskedLM and the classifier call it. It takes no token_type_ids (it has no
     segment embeddings). Documents (ids, cu_seqlens, max_seqlen) become positions within each document (RoPE) and
@@ -77,23 +73,21 @@ class ModernBertEncoding:
                           inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
 
 
-class RecipeModernBertForMaskedLM(ModernBertEncoding, RecipeMaskedLM, ModernBertForMaskedLM):
+class RecipeModernBertForMaskedLM(ExportedAs, ModernBertEncoding, RecipeMaskedLM, ModernBertForMaskedLM):
     """ModernBertForMaskedLM with RecipeMaskedLM's forward (the sparse and the static-K head, documents); the weights
     and the export are ModernBertForMaskedLM's."""
+    exported_class = "ModernBertForMaskedLM"
 
     def predict(self, hidden):
         return self.decoder(self.head(hidden))
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        exported_as(save_directory, "ModernBertForMaskedLM")
 
-
-class RecipeModernBertForSequenceClassification(ModernBertEncoding, ModernBertForSequenceClassification):
+class RecipeModernBertForSequenceClassification(ExportedAs, ModernBertEncoding, ModernBertForSequenceClassification):
     """ModernBertForSequenceClassification that drops token_type_ids and also takes a batch run unpadded
     (data.unpad): one row of every sequence's real tokens; the pooled output is each sequence's first token
     (classifier_pooling cls) or the mean of its tokens (mean), as the padded path pools."""
     attention_path: str | None = None
+    exported_class = "ModernBertForSequenceClassification"
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 document_ids=None, cu_seqlens=None, max_seqlen=None, sequence_starts=None, **kwargs):
@@ -111,10 +105,6 @@ class RecipeModernBertForSequenceClassification(ModernBertEncoding, ModernBertFo
         logits = self.classifier(self.drop(self.head(pooled)))
         loss = classification_loss(logits, labels, self.num_labels) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        exported_as(save_directory, "ModernBertForSequenceClassification")
 
 
 MASKED_LM, SEQUENCE_CLASSIFICATION = RecipeModernBertForMaskedLM, RecipeModernBertForSequenceClassification
