@@ -33,6 +33,14 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
                              fused=True if cfg.fused else None, foreach=None if cfg.fused else True)
 
 
+def skip_flag(found_inf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """found_inf as the update kernels take it: fp32 on the parameters' device. skip_update_if sets it there
+    already (the loss's device), so no copy is made; a .to() would be a no-op the sync audit still counts."""
+    if found_inf.device == like.device and found_inf.dtype == torch.float32:
+        return found_inf
+    return found_inf.to(device=like.device, dtype=torch.float32)
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) as NVIDIA trains
     BERT with apex's FusedLAMB (defaults: adam_w_mode, use_nvlamb=False): Adam's bias-corrected moments
@@ -76,7 +84,7 @@ class Lamb(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 if found_inf is not None and skip is None:
-                    skip = found_inf.to(device=params[0].device, dtype=torch.float32)
+                    skip = skip_flag(found_inf, params[0])
                 self._group_step(group, params, skip)
         return loss
 
@@ -140,7 +148,7 @@ class StableAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                skip = None if found_inf is None else found_inf.to(device=params[0].device, dtype=torch.float32)
+                skip = None if found_inf is None else skip_flag(found_inf, params[0])
                 self._group_step(group, params, skip)
         return loss
 
@@ -202,7 +210,7 @@ def skip_update_if(optimizer, scaler, skipped) -> bool:
     fp16: the loss scaler skips overflowing gradients itself; a non-finite loss is added to what it
     found, so both take the same road (the scaler hands found_inf to a fused optimizer). Otherwise the
     optimizer under Accelerate's wrapper takes it as `found_inf`: torch's fused AdamW (optim.fused, the
-    default) and the recipe's LAMB. Other kernels cannot (optim.fused=false, the foreach AdamW): there the
+    default), the recipe's LAMB and StableAdamW. Other kernels cannot (optim.fused=false, the foreach AdamW): there the
     host reads the flag, one wait per step."""
     inner = optimizer.optimizer   # Accelerate's AcceleratedOptimizer wraps the torch optimizer
     if scaler is not None:
@@ -210,7 +218,7 @@ def skip_update_if(optimizer, scaler, skipped) -> bool:
         for value in found.values():   # 0 or 1: the fused kernels skip on exactly 1
             torch.maximum(value, skipped.to(value), out=value)
         return True
-    if getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, Lamb):
+    if getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, (Lamb, StableAdamW)):
         inner.found_inf = skipped.float()
         return True
     return not bool(skipped)   # a host wait: this kernel has no found_inf

@@ -139,6 +139,22 @@ def test_the_skip_decision_agrees_with_the_loss_scaler():
         assert _scaled_step(2.0 ** 10, engine_path) == (True, True, 2.0 ** 10)
 
 
+def test_the_recipes_optimizers_skip_on_the_device():
+    """LAMB and StableAdamW take the skip as found_inf, as fused AdamW does: step() is called, nothing moves, and
+    the engine never reads the flag (a bool() of it would be a host wait every step)."""
+    from types import SimpleNamespace
+
+    from bert_recipes.optim import Lamb, StableAdamW, skip_update_if
+    for kind in (Lamb, StableAdamW):
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.full((3,), float("nan"))
+        optimizer = kind([p], lr=0.1)
+        # True: step() runs and skips on the device; the host-read road returns False for a skipped step
+        assert skip_update_if(SimpleNamespace(optimizer=optimizer), None, torch.tensor(True)) is True
+        optimizer.step()
+        assert torch.equal(p.detach(), torch.ones(3)), kind.__name__
+
+
 @pytest.mark.parametrize("fused, expected_step_call", [(True, True), (False, False)])
 def test_a_non_finite_step_updates_nothing(fused, expected_step_call):
     """Without a loss scaler: fused AdamW takes the skip as found_inf (weights, moments and step count
