@@ -19,8 +19,9 @@ import sys
 import time
 
 from .config import ConfigError, parse_train_args, to_yaml, validate
+from .exit_codes import CONFIG
 
-EXIT_CONFIG = 2
+EXIT_CONFIG, = CONFIG.codes
 LINE_GRACE_S = 10   # how long a silent rank waits after a config error before it exits
 
 

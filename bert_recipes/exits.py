@@ -1,5 +1,6 @@
 """How a run ends: each way's exit code and its one line, around train.py's `main(cfg) -> metrics` (run_train,
-which train.run_cli wraps), and how a finished process leaves (leave).
+which train.run_cli wraps), and how a finished process leaves (leave). The codes and the lines' starts are
+bert_recipes/exit_codes.py's list:
 
     0 done (or halted at train.halt_at_step)      3 diverged (divergence.Diverged)
     2 a config or input error (cli.py)            4 a collective timed out, or a rank was lost
@@ -19,12 +20,13 @@ from .cli import quick_exit, say_config_error
 from .config import Config, ConfigError, first_line, parse_train_args, to_yaml, validate
 from .disk import DiskFull
 from .divergence import Diverged
+from .exit_codes import DISK_FULL, DIVERGED, TIMEOUT
 from .signals import INTERRUPTION
 
-EXIT_DIVERGED = 3
-EXIT_TIMEOUT = 4
-EXIT_DISK_FULL = 5
-EXIT_INTERRUPTED = 128 + signal.SIGINT   # 130, as a shell reports a Ctrl-C
+EXIT_DIVERGED, = DIVERGED.codes
+EXIT_TIMEOUT, = TIMEOUT.codes
+EXIT_DISK_FULL, = DISK_FULL.codes
+EXIT_INTERRUPTED = 128 + signal.SIGINT   # 130, as a shell reports a Ctrl-C (one of STOPPED.codes)
 
 
 def preempted_exit_code(signum: int) -> int:

@@ -1,8 +1,8 @@
 """The Make targets' launcher wrapper: `python -m bert_recipes.launch <command ...>`.
 
 When a rank stops on purpose it says why in one line (`config error: ...`, `[diverged] ...`, `a
-collective gave up ...`, `[preempt] ... exiting with code N`) and exits with train.py's code (2, 3,
-4, 128 + signal). torch's elastic launcher, under `accelerate launch` and `torchrun`, then adds its
+collective gave up ...`, `[disk full] ...`, `[preempt] ... exiting with code N`) and exits with train.py's code (2, 3,
+4, 5, 128 + signal: bert_recipes/exit_codes.py, the one list). torch's elastic launcher, under `accelerate launch` and `torchrun`, then adds its
 own report: a `Sending process ... closing signal` warning, a `failed (exitcode: N)` line, a
 25-line `ChildFailedError` traceback, and exit code 1. This wrapper runs the command, passes its
 output through as it comes, and when the launcher's report follows such a rank line it drops the
@@ -23,11 +23,8 @@ import subprocess
 import sys
 import threading
 
-# train.py's own exit codes (train.run_cli): each comes with the rank's one-line reason.
-RANK_CODES = {2, 3, 4} | {128 + int(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP,
-                                                   signal.SIGQUIT)}
-RANK_LINE = re.compile(r"(^|\] )(config error:|\[diverged\]|\[preempt\]|interrupted at "
-                       r"|\[rank \d+\] a collective gave up)")
+from .exit_codes import RANK_CODES, RANK_LINE   # train.py's own exit codes and their lines
+
 PREEMPT_CODE = re.compile(r"^\[preempt\] .*exiting with code (\d+)")
 # Where the launcher's report starts: torch.distributed.elastic's log lines about stopping workers,
 # a failed worker, or a signal it received; and what its report says about the first failure.

@@ -153,6 +153,7 @@ sys.exit(1)
     ("[rank 1] a collective gave up: Timed out", 4, True),
     ("[preempt] SIGTERM received: every rank stopped after step 4/10, checkpoint saved; exiting with code 143", 143,
      True),
+    ("[disk full] the export at step 2 could not be written to /x/model.partial: 8.0 KiB free", 5, True),
     ("", 1, False),                                   # a crash: the launcher's report is the only clue
     ("config error: x", 1, False),                    # a code train.py never uses: kept whole
 ])
@@ -169,6 +170,42 @@ def test_the_wrapper_drops_the_launchers_report_only_after_a_ranks_own_line(rank
         assert not any(marker in proc.stderr for marker in LAUNCHER_REPORT), proc.stderr
     else:
         assert proc.returncode == 1 and "ChildFailedError" in proc.stderr and "Root Cause" in proc.stderr
+
+
+def test_a_full_disk_under_make_ends_with_its_line_and_code_5(tmpfs, sample_dir, datasets_cache, shared_tokenizer):
+    """`make ddp CPU=1` with run.output_dir on a 64 KiB tmpfs: the run's config and tokenizer fit, the export does not.
+    The rank's [disk full] line comes once, the launcher's report is dropped, the wrapper exits 5 and make says
+    `Error 5` (and exits 2, as make does for any failed command)."""
+    out = tmpfs(64 << 10) / "run"
+    args = " ".join(f"--{a}" for a in tiny_args(out, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 2, "checkpoint.save_every": "null",
+        "checkpoint.save_final": "false"}))
+    proc = make("ddp", "CPU=1", f"ARGS={args}", env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    log = proc.stdout + proc.stderr
+    lines = [line for line in log.splitlines() if line.startswith("[disk full]")]
+    assert len(lines) == 1 and f"the export at step 2 could not be written to {out}/model.partial" in lines[0], log[-3000:]
+    assert proc.returncode == 2 and re.search(r"\] Error 5$", proc.stderr, re.MULTILINE), proc.stderr[-2000:]
+    for marker in LAUNCHER_REPORT:
+        assert marker not in log, (marker, log[-3000:])
+
+
+def test_the_exit_code_table_in_the_docs_is_the_list():
+    """docs/cluster.md's table of exit codes holds exactly bert_recipes/exit_codes.py's codes, each row with its lines'
+    starts, and the wrapper's rank codes and lines are the list's."""
+    from bert_recipes.exit_codes import EXIT_CODES, RANK_CODES, RANK_LINE
+    text = (REPO / "docs/cluster.md").read_text()
+    table = text[text.index("## Exit codes of `train.py`"):].split("\n## ")[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0][:1].isdigit():
+            rows[tuple(sorted(int(c) for c in cells[0].split("/")))] = re.findall(r"`([^`]+)`", cells[1])
+    assert rows == {tuple(sorted(way.codes)): list(way.starts) for way in EXIT_CODES}, rows
+    assert RANK_CODES == {2, 3, 4, 5, 129, 130, 131, 138, 143}
+    for line in ("config error: x", "[diverged] x", "[rank 1] a collective gave up: x", "[disk full] x",
+                 "[preempt] x", "interrupted at start-up; rerun"):
+        assert RANK_LINE.search(line), line
+    assert not RANK_LINE.search("[train] step 1/10 loss 1.0")
 
 
 def test_the_wrapper_passes_a_clean_run_and_its_code_through(tmp_path):
