@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, set_kernels
-from .backends.deepspeed import check_nvme_gradient_swap, deepspeed_owned, saved_meeting_the_barrier, zero3_keeps_model_dtype
+from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, fill_micro_batch, saved_meeting_the_barrier,
+                                 zero3_keeps_model_dtype)
 from .backends.deepspeed_universal import resharded
 from .backends.fsdp import wrap_model_layers
 from .backends.plan import LaunchPlan
@@ -145,6 +146,7 @@ class AccelerateEngine:
             recipe_schedule=lambda opt, total=scheduler.total_steps: build_scheduler(opt, self.optim_cfg, total))
         if owned:
             print0(owned)
+        fill_micro_batch(self.accelerator, t.micro_batch_size)   # not read off the loaders (a batch sampler has none)
         with zero3_keeps_model_dtype() if self.plan.zero_stage == 3 else contextlib.nullcontext():
             if owned:
                 self.model, self.optimizer, scheduler, self.train_loader, self.eval_loader = self.accelerator.prepare(

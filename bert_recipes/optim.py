@@ -19,7 +19,7 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(p)
+        (no_decay if full_ndim(p) < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "lamb":
@@ -31,6 +31,14 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
         return cpu_adam(groups, cfg)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=True if cfg.fused else None, foreach=None if cfg.fused else True)
+
+
+def full_ndim(p: torch.Tensor) -> int:
+    """A parameter's dimensions as the model declares them. A model loaded under ZeRO-3 (from_pretrained inside
+    DeepSpeed's zero.Init) holds each parameter as an empty 1-D partition with its shape in ds_shape: read off
+    p.ndim, every weight matrix would take no weight decay and the decay group would be empty (DeepSpeed then drops
+    it, and the schedule's two lr factors meet one group)."""
+    return len(p.ds_shape) if hasattr(p, "ds_shape") else p.ndim
 
 
 def skip_flag(found_inf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

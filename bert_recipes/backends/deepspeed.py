@@ -5,7 +5,7 @@ DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README
   may leave a value "auto" or repeat it;
 - a JSON that owns the optimizer and the schedule (deepspeed_owned: Accelerate's DummyOptim and
   DummyScheduler, every "auto" filled from the recipe) and the autos Accelerate would fill otherwise
-  (fill_deepspeed_autos);
+  (fill_deepspeed_autos, fill_micro_batch);
 - NVMe offload: a private swap folder per run (private_swap_dirs), the gradient swap that goes wrong on
   CPU processes (check_nvme_gradient_swap), ZeRO-3's dtype slip (zero3_keeps_model_dtype);
 - what engaged (describe_deepspeed; REPLACED, when Accelerate ran something else);
@@ -277,6 +277,16 @@ def fill_deepspeed_autos(accelerator, optim: OptimConfig) -> None:
     if ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = optim.max_grad_norm
     ds.setdefault("zero_force_ds_cpu_optimizer", False)
+
+
+def fill_micro_batch(accelerator, micro_batch_size: int) -> None:
+    """An "auto" train_micro_batch_size_per_gpu is the recipe's train.micro_batch_size, filled just before prepare
+    (after train.micro_batch_size=auto's trial has chosen it). Left to Accelerate 1.15, "auto" is read off the
+    loaders' batch_size: a loader with a batch sampler (data.group_by_length) has none, and prepare raises;
+    with a smaller evaluation batch it would take that one (is_train_batch_min)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
 
 
 def check_nvme_gradient_swap(plan: LaunchPlan, model, world_size: int, on_gpu: bool) -> None:
