@@ -39,7 +39,7 @@ from bert_recipes.checkpoint import (check_tokenizer_fits, pick_checkpoint, read
                                      tokenizer_record)
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
 from bert_recipes.corpora import same_files_on_every_rank
-from bert_recipes.data import prepare_data
+from bert_recipes.data import data_progress_bars, prepare_data
 from bert_recipes.divergence import StepGuard
 from bert_recipes.downstream import export_for_downstream
 from bert_recipes.doctor.nvml import start_sampler
@@ -138,6 +138,7 @@ def main(cfg: Config) -> dict:
         INTERRUPTION.at("data preparation")
         check_sequence_length(cfg.model, cfg.task, cfg.data.max_seq_length)
         label_names = cfg.task.label_names
+        data_progress_bars(cfg.logging.progress_bar)   # false: datasets' bars too, so a log file holds no bar
         tokenizer, data, collate, test_index = prepare_data(
             cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path, cfg.run.seed, output_dir, engine.is_main,
             engine.prep_barrier, engine.fixed_length, broadcast, on_nodes(engine.is_local_main, engine.num_processes))

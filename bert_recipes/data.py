@@ -61,6 +61,16 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     return tokenizer, data, make_collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
 
 
+def data_progress_bars(enabled: bool) -> None:
+    """logging.progress_bar, for the data libraries, once per run: false turns datasets' bars off for the process
+    (loading's "Generating train split", map's "tokenizing" and "packing into N-token blocks"), and with them the
+    tokenizer trainer's (sources.train_wordpiece reads the same switch), so a log file holds lines, not bars; true
+    leaves them as the library has them (on, unless HF_DATASETS_DISABLE_PROGRESS_BARS says otherwise)."""
+    if not enabled:
+        import datasets
+        datasets.disable_progress_bars()
+
+
 DATA_THEN = ("nothing was trained and the output directory is untouched: free space there (or set data.cache_dir to "
              "a larger disk), then run again")
 

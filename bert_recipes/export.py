@@ -5,6 +5,7 @@ line, and the previous export and the checkpoints stay. Then, where checkpoint.p
 Hub (push_to_hub)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -55,13 +56,30 @@ def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state
         for key in tied:   # gathered state dicts (ZeRO-3, FSDP) repeat tied weights under both names
             state_dict.pop(key, None)
     model.config.dtype = "float32"   # (torch_dtype: transformers 5 says it is deprecated, on every export)
-    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True, save_function=save_function)
+    with no_shard_bar():
+        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True, save_function=save_function)
     tokenizer.save_pretrained(out)
     (out / "recipe.yaml").write_text(config_yaml)
     (out / "README.md").write_text(card)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(out, final)
     return final
+
+
+@contextlib.contextmanager
+def no_shard_bar():
+    """transformers' progress bars off while an export's save_pretrained writes: its "Writing model shards 1/1" bar
+    says nothing the `[export] ... -> dir` line after it does not, and came 5 times in the demo's log (each
+    checkpoint.downstream export and the final one). The previous state after (a user's bars stay theirs)."""
+    from transformers.utils import logging as hf_logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def partial_export(out: Path) -> Path:

@@ -42,7 +42,22 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
             files = {s: str(root / f"classify/{s}.jsonl") for s in ("train", "validation", "test")}
             raw = load_dataset("json", data_files=files, cache_dir=data.cache_dir)
     elif data.source == "hub":
-        raw = load_dataset(data.dataset_name, data.dataset_config, cache_dir=data.cache_dir)
+        try:
+            raw = load_dataset(data.dataset_name, data.dataset_config, cache_dir=data.cache_dir)
+        except OSError as err:   # only the Hub out of reach with nothing cached; any other error is the library's
+            import datasets
+            if not hub_unreachable(err, datasets.config.HF_HUB_OFFLINE):
+                raise
+            named = f"data.dataset_name={data.dataset_name}" + (f" (data.dataset_config={data.dataset_config})"
+                                                                 if data.dataset_config else "")
+            cache = (f"{data.cache_dir} (data.cache_dir)" if data.cache_dir else
+                     f"{datasets.config.HF_DATASETS_CACHE} (datasets' own: data.cache_dir is unset)")
+            raise ConfigError(
+                f"{named}: the Hub cannot be reached and the dataset is not in the cache {cache}; "
+                f"{offline_note(datasets.config.HF_HUB_OFFLINE, ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE'))}: on a node "
+                "that reaches the Hub, run make prepare RECIPE=<this recipe> (it downloads into that cache and writes "
+                "prepared data: then --data.source=prepared --data.prepared_dir=OUT), or point data.cache_dir / "
+                "HF_HOME at shared storage that holds the download") from None
     else:
         files = check_data_files(data)
         every = sum(files.values(), [])
@@ -157,6 +172,43 @@ def texts(dataset, data: DataConfig, batch_size: int = 1000):
         yield [t for c in cols for t in rows[c] if t and t.strip()]
 
 
+# ---------------------------------------------------------------------------- the Hub out of reach
+# The connect errors of the HTTP clients the libraries have used (requests, httpx, aiohttp), by name: which one a
+# version surfaces unwrapped varies, and importing each only to compare would cost more than it tells.
+CONNECT_ERRORS = {"ConnectionError", "ConnectError", "ConnectTimeout", "ClientConnectorError"}
+
+
+def hub_unreachable(err: BaseException, offline: bool) -> bool:
+    """The Hub could not be asked (offline mode, no network) and the cache did not hold the answer. Seen offline
+    and with a refused connection (datasets 5.2, huggingface_hub 2.4, transformers 5.24): datasets raises
+    ConnectionError "Couldn't reach '<name>' on the Hub (OfflineModeIsEnabled | LocalEntryNotFoundError)";
+    transformers raises OSError "We couldn't connect to ..." from huggingface_hub's LocalEntryNotFoundError.
+    Older datasets said FileNotFoundError "... on the Hub ..." in offline mode. A name the Hub does not know, a
+    gated repository or a broken file is none of these: the caller's own message (or the library's) says it."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    seen, cause = set(), err
+    while cause is not None and id(cause) not in seen:   # the whole chain: each library wraps the one below
+        seen.add(id(cause))
+        if isinstance(cause, (ConnectionError, LocalEntryNotFoundError)):   # OfflineModeIsEnabled is a ConnectionError
+            return True
+        if any(cls.__name__ in CONNECT_ERRORS for cls in type(cause).__mro__):
+            return True
+        if offline and isinstance(cause, FileNotFoundError) and "Hub" in str(cause):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def offline_note(offline: bool, variables: tuple[str, ...]) -> str:
+    """Whether the library ran in offline mode, and which variables say so (it reads them at import)."""
+    given = [f"{v}={os.environ[v]}" for v in variables if os.environ.get(v)]
+    if offline:
+        return (f"offline mode is on ({', '.join(given) or 'set when the library was imported'}), so the Hub was not "
+                "asked")
+    return (f"offline mode is off ({', '.join(given) or ' and '.join(variables) + ' unset'}), and the Hub did not "
+            "answer from this node")
+
+
 # ---------------------------------------------------------------------------- tokenizer
 def train_wordpiece(batches, vocab_size: int, lowercase: bool):
     """A BERT WordPiece tokenizer trained with the `tokenizers` library.
@@ -164,6 +216,7 @@ def train_wordpiece(batches, vocab_size: int, lowercase: bool):
     Not bit-reproducible: the trainer breaks ties between equally frequent merges in hash
     order, so two trainings on the same text can differ slightly. The trained tokenizer is
     saved with the run (and every export), which is what makes a run reproducible."""
+    from datasets import is_progress_bar_enabled
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertTokenizerFast
 
@@ -172,7 +225,10 @@ def train_wordpiece(batches, vocab_size: int, lowercase: bool):
     tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2)
+    # its bar follows datasets' switch (logging.progress_bar: data.data_progress_bars); off a terminal it is hidden
+    # but still prints an empty line per stage
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2,
+                                        show_progress=is_progress_bar_enabled())
     tok.train_from_iterator(batches, trainer=trainer)
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
@@ -194,7 +250,16 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
         try:
             return AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as err:
+            from huggingface_hub import constants
             key = "tokenizer.name_or_path" if tok_cfg.name_or_path else "model.name_or_path"
+            if hub_unreachable(err, constants.HF_HUB_OFFLINE):   # a local directory was checked in preflight
+                raise ConfigError(
+                    f"{key}={name}: the Hub cannot be reached and the tokenizer is not in the cache "
+                    f"{constants.HF_HUB_CACHE} (huggingface_hub's, under HF_HOME); "
+                    f"{offline_note(constants.HF_HUB_OFFLINE, ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'))}: on a node "
+                    "that reaches the Hub, run make prepare RECIPE=<this recipe> (it saves the tokenizer beside the "
+                    "prepared data: then --data.source=prepared --data.prepared_dir=OUT), or point HF_HOME at shared "
+                    "storage that holds the download, or give a local tokenizer directory") from None
             raise ConfigError(f"{key}={name}: cannot load a tokenizer from it ({first_line(err)}); give a directory with "
                               "tokenizer files (an export's model/ has them) or a Hub name") from None
     # Only rank 0 looks at the disk and decides. A trained tokenizer goes to a cache keyed by the

@@ -47,6 +47,16 @@ LIBRARY_WARNING = re.compile(r"\bWARNING\b|\w+Warning\b|is deprecated|Removed sh
                              r"^\[(transformers|accelerate|datasets|deepspeed|torch)\] ")
 
 
+# what a library's progress bar looks like in the log: tqdm's shape (`45%|####  | 9/20`, `287.08it/s]`, `810.2
+# examples/s]`: transformers' "Writing model shards", datasets' "Generating train split" and map's "tokenizing"); the
+# train loop's own bar is off too (logging.progress_bar=false)
+PROGRESS_BAR = re.compile(r"\d+%\||it/s\]|examples/s\]")
+
+
+def progress_bars(log: str) -> list[str]:
+    return [line for line in log.splitlines() if PROGRESS_BAR.search(line)]
+
+
 def library_warnings(log: str) -> list[str]:
     return [line for line in log.splitlines()
             if LIBRARY_WARNING.search(line) and not any(text in line for text in ALLOWED_LIBRARY_WARNINGS)]
@@ -55,22 +65,56 @@ def library_warnings(log: str) -> list[str]:
 def test_demo_works_twice_in_a_row(tmp_path, sample_dir):
     """The demo starts over in its own directories (run.overwrite), so a second `make demo` runs the
     same way as the first (shrunk here to a few steps of a tiny model); its log holds no library warning a
-    user cannot act on (the two recipes on 2 processes: a checkpoint, an export, a warm start from it)."""
+    user cannot act on and no library progress bar (the two recipes on 2 processes: a checkpoint, an export, a
+    warm start from it). Its own datasets cache: the first demo loads, tokenizes, packs and trains the tokenizer
+    (each with a library bar unless logging.progress_bar=false turns it off), the second reads them back."""
     shrink = " ".join(["--train.max_steps=3", "--train.eval_every=null", "--checkpoint.save_every=null",
                        "--data.max_train_samples=400", "--data.max_eval_samples=32", "--tokenizer.vocab_size=500",
                        "--model.hidden_size=32", "--model.intermediate_size=64", "--logging.trackers=[]",
-                       "--logging.plot=false", "--train.global_batch_size=8", "--train.micro_batch_size=4"])
+                       "--logging.plot=false", "--train.global_batch_size=8", "--train.micro_batch_size=4",
+                       f"--data.cache_dir={tmp_path / 'datasets'}"])
     runs = tmp_path / "runs"
     for attempt in (1, 2):
         proc = make("demo", f"RUNS={runs}", f"SAMPLE={sample_dir}", f"ARGS={shrink}")
         assert proc.returncode == 0, (attempt, proc.stdout[-3000:], proc.stderr[-3000:])
         assert "bert-recipes demo summary" in proc.stdout and "eval accuracy" in proc.stdout, proc.stdout[-3000:]
-        assert library_warnings(proc.stdout + proc.stderr) == [], proc.stdout[-3000:] + proc.stderr[-3000:]
+        log = proc.stdout + proc.stderr
+        assert library_warnings(log) == [], proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert progress_bars(log) == [], (attempt, progress_bars(log))
+        # the tokenizers trainer's bar, hidden off a terminal, still prints one empty line per stage
+        assert "\n\n\n" not in proc.stdout, (attempt, proc.stdout[:3000])
         for name in ("tiny-mlm", "tiny-classify"):
             final = json.loads((runs / name / "metrics.json").read_text())["final"]
             assert final["steps"] == 3 and final["num_processes"] == 2, final
     # the second demo replaced the first one's checkpoints instead of refusing to start
     assert "[resume]" not in proc.stdout
+
+
+@pytest.mark.parametrize("bars_before", [True, False])
+def test_the_export_writes_without_the_shard_bar_and_leaves_the_bars_as_they_were(bars_before, tmp_path, capfd):
+    """export.no_shard_bar: no "Writing model shards" bar while save_pretrained writes, and transformers' switch as
+    it was after (a user's bars stay on, bars that were off stay off). The control: the same save without it shows
+    the bar where the bars are on."""
+    from transformers import BertConfig, BertModel
+    from transformers.utils import logging as hf_logging
+
+    from bert_recipes.export import no_shard_bar
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                 vocab_size=100))
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if bars_before else hf_logging.disable_progress_bar)()
+    try:
+        capfd.readouterr()
+        model.save_pretrained(tmp_path / "plain")
+        plain = "".join(capfd.readouterr())
+        assert ("Writing model shards" in plain) == bars_before, plain
+        with no_shard_bar():
+            model.save_pretrained(tmp_path / "quiet")
+        quiet = "".join(capfd.readouterr())
+        assert "Writing model shards" not in quiet and progress_bars(quiet) == [], quiet
+        assert hf_logging.is_progress_bar_enabled() == bars_before
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
 def test_a_mistake_through_make_is_one_line_before_any_launch(tmp_path):

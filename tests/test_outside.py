@@ -1,7 +1,8 @@
 """What breaks a run from outside it, each tried as it happens: a tracking server that does not answer or is lost
 during the run (a real MLflow server, started and stopped by the test by its PID), a store MLflow refuses, W&B's
 own directory, a tokenizer that changed under a resume, two runs in one output directory (real processes: a live
-holder, one killed -9, one on another host whose heartbeat stopped), and a shard still being downloaded."""
+holder, one killed -9, one on another host whose heartbeat stopped), a shard still being downloaded, and a Hub
+dataset or tokenizer that cannot be reached (offline, nothing cached)."""
 from __future__ import annotations
 
 import json
@@ -373,4 +374,50 @@ def test_a_shard_still_being_downloaded_is_one_line_naming_it(tmp_path, sample_d
         "data.source": "files", "data.train_files": f"[{shards}]"}), tmp_path, capsys)
     assert f"data file {shards}/part-00001.txt.incomplete looks like a download in progress" in line, line
     assert "wait until the download finishes" in line and "or remove the file" in line
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- the Hub out of reach
+@pytest.fixture
+def offline_empty_caches(tmp_path, monkeypatch) -> Path:
+    """A compute node without the Hub: offline mode on and every cache empty. The libraries read HF_HOME and the
+    offline variables when imported (this process imported them long ago), so their constants are set too."""
+    import datasets
+    from huggingface_hub import constants
+    home = tmp_path / "hf_home"
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(home / "datasets"))
+    return home
+
+
+def test_a_hub_dataset_out_of_reach_is_one_line_naming_it_and_the_fix(tmp_path, offline_empty_caches, capsys):
+    """recipes/modernbert-base-mlm.yaml as it ships (FineWeb-Edu from the Hub) on a node without the Hub: datasets'
+    ConnectionError becomes one line naming the dataset, its config, the cache looked in, offline mode and the fix,
+    before the model is built; nothing is written to run.output_dir."""
+    runs = tmp_path / "runs"
+    line = refused_in_process(["--recipe", str(REPO / "recipes/modernbert-base-mlm.yaml"),
+                               f"--run.output_dir={runs / 'modernbert'}", f"--data.cache_dir={tmp_path / 'cache'}"],
+                              runs, capsys)
+    assert "data.dataset_name=HuggingFaceFW/fineweb-edu (data.dataset_config=sample-10BT): the Hub cannot be " \
+           f"reached and the dataset is not in the cache {tmp_path / 'cache'} (data.cache_dir)" in line, line
+    assert "offline mode is on (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1)" in line, line
+    assert "run make prepare RECIPE=<this recipe>" in line and "data.cache_dir / HF_HOME" in line, line
+    assert not runs.exists()
+
+
+def test_a_hub_tokenizer_out_of_reach_is_one_line_naming_it_and_the_fix(tmp_path, sample_dir, datasets_cache,
+                                                                        offline_empty_caches, capsys):
+    """The sample's text (in the shared cache) with a Hub tokenizer no cache holds: transformers' OSError ("We
+    couldn't connect to ...") becomes one line naming tokenizer.name_or_path, the Hub cache and the fix."""
+    out = tmp_path / "run"
+    line = refused_in_process(["--recipe", str(REPO / "recipes/tiny-mlm.yaml")] + argv(
+        out, sample_dir, datasets_cache, **{"tokenizer.name_or_path": "some-org/unreachable-tokenizer"}), out, capsys)
+    assert "tokenizer.name_or_path=some-org/unreachable-tokenizer: the Hub cannot be reached and the tokenizer is " \
+           f"not in the cache {offline_empty_caches / 'hub'}" in line, line
+    assert "offline mode is on (HF_HUB_OFFLINE=1)" in line and "run make prepare RECIPE=<this recipe>" in line, line
     assert not out.exists()

@@ -447,6 +447,10 @@ class LoggingConfig:
     waits most (one slow rank holds every other one back)."""
     gpu_sampler: bool = True
     """On GPUs: NVML every 0.5 s in a background thread (GPU and memory busy, SM clock, temperature,
+    """The train loop's bar (tqdm, on each node's first rank) and the data libraries' (datasets' loading, tokenizing
+    and packing; the tokenizer trainer's: data.data_progress_bars). false: none of them, for a log file (make demo, a
+    SLURM job), where the [train] lines say the same every logging.log_every steps. transformers' "Writing model
+    shards" bar never shows (export.no_shard_bar)."""
     throttle reasons; bert_recipes/doctor/nvml.Sampler). Each log line gets the GPU's busy share and any
     throttling, metrics.json the window's aggregates. It never touches a CUDA stream. Off on CPU runs."""
     plot: bool = True
