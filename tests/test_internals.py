@@ -231,6 +231,33 @@ def test_cpuinfo_is_asked_once(monkeypatch):
     assert cpuinfo.get_cpu_info() == fake(), row(name, "the cached answer differs")
 
 
+def test_numa_is_asked_once(monkeypatch):
+    """backends.deepspeed.ask_numa_once caches DeepSpeed's get_numa_cores: its CPU accelerator's device_count (asked
+    by ZeRO-3 at every gradient bucket) starts `numactl --hardware` once per process, not once per question."""
+    import subprocess
+
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.utils import numa
+
+    from bert_recipes.backends.deepspeed import ask_numa_once
+    monkeypatch.setattr(numa, "get_numa_cores", numa.get_numa_cores)   # restored after, cache and all
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    started = []
+    real = subprocess.check_output
+
+    def counted(cmd, *args, **kwargs):
+        started.append(cmd)
+        return real(cmd, *args, **kwargs)
+    monkeypatch.setattr(subprocess, "check_output", counted)
+    accelerator = CPU_Accelerator()
+    control = [accelerator.device_count(), accelerator.device_count()]
+    assert len(started) == 2, row("numactl's cache (ask_numa_once)", f"the control started {started}")
+    ask_numa_once()
+    answers = [accelerator.device_count() for _ in range(3)]
+    assert len(started) == 3 and answers == control + control[:1], row("numactl's cache (ask_numa_once)",
+                                                                       f"{started} for {answers}")
+
+
 def test_ds_sync_allowlist_names_existing_functions():
     """tests/deepspeed_syncs.py (test instrumentation) names DeepSpeed's files and functions: each must still be
     there, or the allowlist would let a moved wait pass under another name and fail on the new one."""

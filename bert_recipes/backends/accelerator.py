@@ -57,6 +57,7 @@ def build_accelerator(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig,
         backend=None if on_gpu else "gloo", timeout=timedelta(seconds=train.collective_timeout_s))]
     if plan.deepspeed:
         ds_rules.ask_cpuinfo_once()
+        ds_rules.ask_numa_once()
     if plan.ds_accelerator:
         # Accelerate imports DeepSpeed on every backend, whose accelerator search ends at the CPU on a host without
         # GPUs and says so on each rank ("[WARNING] ... Setting accelerator to CPU. If you have GPU ..."): named,

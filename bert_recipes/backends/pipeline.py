@@ -202,8 +202,9 @@ class PipelineEngine:
         import deepspeed.comm as dist
 
         from .accelerator import set_kernels
-        from .deepspeed import ask_cpuinfo_once
+        from .deepspeed import ask_cpuinfo_once, ask_numa_once
         ask_cpuinfo_once()   # (what the pipeline cannot run was refused in preflight: backends/deepspeed.pipeline_conflicts)
+        ask_numa_once()
         self.plan, self.output_dir = plan, output_dir
         self.train_cfg, self.data_cfg, self.optim_cfg, self.task, self.seed = train, data, optim, task, seed
         self.on_gpu = plan.on_gpu   # decided once (backend.launch_plan_here)
