@@ -35,8 +35,8 @@ from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
 from bert_recipes.backends.pipeline import train_batch
 from bert_recipes.backends.plan import launch_plan_here
 from bert_recipes.batch_ramp import BatchPlan, batch_plan
-from bert_recipes.checkpoint import (check_tokenizer_fits, pick_checkpoint, read_train_state, save_checkpoint,
-                                     tokenizer_record)
+from bert_recipes.checkpoint import (check_data_fits, check_tokenizer_fits, data_record, pick_checkpoint,
+                                     read_train_state, save_checkpoint, tokenizer_record)
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
 from bert_recipes.corpora import same_files_on_every_rank
 from bert_recipes.data import data_progress_bars, prepare_data
@@ -130,7 +130,7 @@ def main(cfg: Config) -> dict:
         set_seed(cfg.run.seed)
         print0(f"[setup] {plan.name}: {engine.setup_line}; collectives time out after "
                f"{cfg.train.collective_timeout_s:g}s (train.collective_timeout_s)")
-        checkpoint, source, layout = starting_point(cfg, plan, engine, output_dir, notes)
+        checkpoint, source, layout, data_used = starting_point(cfg, plan, engine, output_dir, notes)
         trackers = Trackers(cfg.logging.trackers, engine.is_main, output_dir / "logs")
         on_rank0(engine.is_main, broadcast, trackers.check)   # a store MLflow refuses, a server down: one line, now
 
@@ -186,7 +186,7 @@ def main(cfg: Config) -> dict:
         elif source is not None:   # checkpoint.init_from: a phase's first start
             run.engine.start_from(source, cfg.checkpoint.init_optimizer)
             print0(init_line(source, cfg.checkpoint.init_optimizer))
-        run.state["layout"], run.state["total_steps"], run.state["tokenizer"] = layout, total_steps, tokenizer_used
+        run.state.update(layout=layout, total_steps=total_steps, tokenizer=tokenizer_used, data_files=data_used)
         start_writing(output_dir, config_yaml, tokenizer, cfg.run.overwrite, cfg.checkpoint.resume, engine, run.state,
                       resumed=checkpoint is not None)
         # a resume continues the tracker runs its checkpoint names (MLflow run, W&B run id); rank 0 saves them
@@ -207,8 +207,9 @@ def starting_point(cfg: Config, plan, engine: Engine, output_dir: Path, notes: l
     others, or else the other run's checkpoint a phase starts from (checkpoint.init_from, resolved by preflight);
     and this run's layout over processes, saved with each checkpoint. Every rank must see output_dir
     (checkpoints are written into directories rank 0 creates); preflight's notes come first, then the resume's.
-    Another process count re-cuts the saved state (a line) or is refused in one (layout.resume_layout).
-    -> (checkpoint or None, source or None, layout)."""
+    Another process count re-cuts the saved state (a line) or is refused in one (layout.resume_layout); a data file
+    changed since the checkpoint is one line too, unless checkpoint.accept_data_change (checkpoint.check_data_fits).
+    -> (checkpoint or None, source or None, layout, the data files' record to save with each checkpoint)."""
     check_shared_output_dir(output_dir, engine)
     for note in notes:
         print0(note)
@@ -219,7 +220,11 @@ def starting_point(cfg: Config, plan, engine: Engine, output_dir: Path, notes: l
     changed = resume_layout(saved_layout(loaded), layout, loaded, key) if loaded is not None else None
     if changed:
         print0(changed)
-    return checkpoint, source, layout
+    data_used = on_rank0(engine.is_main, broadcast, lambda: data_record(cfg.data))   # sampled blocks, read by rank 0
+    for note in on_rank0(engine.is_main, broadcast,   # a file rewritten since the checkpoint: one line, nothing written
+                         lambda: check_data_fits(checkpoint, data_used, cfg.checkpoint.accept_data_change)):
+        print0(note)
+    return checkpoint, source, layout, data_used
 
 
 def resume(run: Run, checkpoint) -> None:

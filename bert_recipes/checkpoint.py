@@ -17,7 +17,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from .config import ConfigError, path_kind
+from .config import ConfigError, DataConfig, path_kind
 from .ranks import broadcast, on_rank0, print0
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -259,6 +259,72 @@ def check_tokenizer_fits(checkpoint: Path | None, record: dict, output_dir: Path
     other = "start a new run in another run.output_dir" if resumed else "train from scratch (no checkpoint.init_from)"
     raise ConfigError(f"tokenizer: {checkpoint} was trained with another tokenizer ({shown(saved)}) than this run's "
                       f"({shown(record)}): its token ids would mean other words; {way}{other}")
+
+
+def data_record(data: DataConfig) -> dict:
+    """What a checkpoint records of the data files it was trained on (train_state.json's data_files): each file's size
+    and a digest of sampled blocks (corpora.data_fingerprint), by key: every resolved list of data.source=files
+    (corpora.file_lists), or data.source=prepared's manifest (prepared.json: make prepare writes it anew, with the
+    files' list and the store's counts). The sample and the Hub record none."""
+    from .corpora import SAMPLING, data_fingerprint, file_lists
+    from .sources import PREPARED_META
+    lists = (file_lists(data) if data.source == "files" else
+             {"data.prepared_dir": [str(Path(data.prepared_dir) / PREPARED_META)]} if data.source == "prepared" else {})
+    return {"sampling": SAMPLING, "files": data_fingerprint(lists)} if lists else {}
+
+
+def data_changes(saved: dict, record: dict, since: str) -> list[str]:
+    """How this run's data files (data_record) differ from those a checkpoint recorded: under each key both have, a
+    file of the checkpoint's at the same path with another size or digest, or one no longer there. A file found under
+    another path with the same size and digest is the same file (a copy on a node's own disk, a moved store); a key's
+    one file gone and one new is the same file replaced. Files only this run has are not a change: a pattern's new
+    files are left out before (corpora.resolve_into), and a list edited in the recipe is the config's own [resume]
+    line. Digests count only where both were sampled alike (SAMPLING); sizes always."""
+    alike = saved.get("sampling") == record.get("sampling")
+
+    def differ(a: list, b: list) -> str | None:   # [path, size, digest] twice -> what changed, or None
+        if a[1] != b[1]:
+            return f"size {a[1]} -> {b[1]} bytes"
+        return f"the same size, {a[1]} bytes, other bytes in its sampled blocks" if alike and a[2] != b[2] else None
+
+    changes = []
+    for key, before in saved.get("files", {}).items():
+        now = {entry[0]: entry for entry in record.get("files", {}).get(key, [])}
+        if not now:   # a list this run does not read (validation_files dropped): the config's own change
+            continue
+        changes += [f"{key}: {e[0]} changed since {since} ({differ(e, now[e[0]])})" for e in before
+                    if e[0] in now and differ(e, now[e[0]])]
+        new = [entry for path, entry in now.items() if path not in {e[0] for e in before}]
+        gone = [e for e in before if e[0] not in now and all(differ(e, n) for n in new)]
+        if len(gone) == 1 and len(new) == 1:   # one file in the other's place (a store prepared again elsewhere)
+            changes.append(f"{key}: {gone[0][0]} changed since {since}: this run reads {new[0][0]} in its place "
+                           f"({differ(gone[0], new[0])})")
+            continue
+        changes += [f"{key}: {path} is gone since {since} ("
+                    f"{'no longer among the files it names' if Path(path).exists() else 'no such file now'})"
+                    for path, *_ in gone]
+    return changes
+
+
+def check_data_fits(checkpoint: Path | None, record: dict, accept: bool) -> list[str]:
+    """A resume's data files (data_record) against those its checkpoint recorded, before anything is written: a file
+    rewritten in place since, or gone, is one line naming the key, the file and what changed, and the ways out;
+    checkpoint.accept_data_change=true goes on with a [resume] line for each change. A checkpoint that records no
+    data (saved before checkpoints did, or trained on the sample or the Hub) resumes as before. -> the lines to
+    print."""
+    if checkpoint is None:
+        return []
+    saved = read_train_state(checkpoint).get("data_files")
+    changes = data_changes(saved, record, Path(checkpoint).name) if saved and record else []
+    if accept:
+        return [f"[resume] checkpoint.accept_data_change=true: {change}; the run goes on with the data as it is now"
+                for change in changes]
+    if changes:
+        more = f" (and {len(changes) - 1} more change{'s' * (len(changes) > 2)})" if len(changes) > 1 else ""
+        raise ConfigError(f"{changes[0]}{more}: the resumed run would read other data than {checkpoint} was trained "
+                          "on; restore the file, start a new run (another run.output_dir), or set "
+                          "checkpoint.accept_data_change=true to go on knowingly")
+    return []
 
 
 def resumed_checkpoint(output_dir: str | Path, resume: str | None) -> Path | None:

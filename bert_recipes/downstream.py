@@ -18,9 +18,11 @@ def step_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / DIR / f"step_{step:08d}"
 
 
-def check_downstream(recipe: str | None, task_kind: str) -> None:
-    """checkpoint.downstream: a fine-tuning recipe file that loads and classifies, under a pretraining run; one line
-    for anything else."""
+def check_downstream(recipe: str | None, task_kind: str, model) -> None:
+    """checkpoint.downstream: a fine-tuning recipe file that loads and classifies, under a pretraining run, and that can
+    fine-tune the model this run trains (`model`: its ModelConfig, the architecture resolved): no other
+    model.architecture, no field this architecture lacks, no sequence longer than its positions. One line for
+    anything else, at the run's start rather than at make downstream's."""
     if recipe is None:
         return
     if task_kind != "mlm":
@@ -30,11 +32,44 @@ def check_downstream(recipe: str | None, task_kind: str) -> None:
     if kind != "file":
         raise ConfigError(f"checkpoint.downstream={recipe} {'not found' if kind == 'missing' else 'is a directory'}: "
                           "give a fine-tuning recipe file (e.g. recipes/tiny-classify.yaml)")
+    from .architectures import ARCHITECTURES, foreign_field
     from .config import load_config
     fine_tune = load_config(recipe, [])
     if fine_tune.task.kind != "classification":
         raise ConfigError(f"checkpoint.downstream={recipe} is a task.kind={fine_tune.task.kind} recipe: give a "
                           "fine-tuning (classification) recipe, e.g. recipes/tiny-classify.yaml")
+    # its fine-tunes start from this run's exports (tools/downstream.py: --model.name_or_path=<export>)
+    trained = model.architecture
+    named = fine_tune.model.architecture
+    if named is not None and named != trained:
+        raise ConfigError(f"checkpoint.downstream={recipe} sets model.architecture={named}, and this run trains "
+                          f"model.architecture={trained}: its fine-tunes start from this run's exports; remove "
+                          "model.architecture from that recipe (an export's config says what it is)")
+    found = foreign_field(trained, fine_tune.model)
+    if found:
+        key, value, other = found
+        raise ConfigError(f"checkpoint.downstream={recipe} sets model.{key}={value}, {ARCHITECTURES[other].title}'s, and "
+                          f"this run trains model.architecture={trained}, which has no such field: remove it from that "
+                          "recipe")
+    positions = export_positions(model)
+    if positions is not None and fine_tune.data.max_seq_length > positions:
+        raise ConfigError(f"checkpoint.downstream={recipe} has data.max_seq_length={fine_tune.data.max_seq_length}, "
+                          f"and this run's exports hold model.max_position_embeddings={positions}: set "
+                          f"data.max_seq_length at most {positions} in that recipe, or pretrain with "
+                          f"--model.max_position_embeddings={fine_tune.data.max_seq_length}")
+
+
+def export_positions(model) -> int | None:
+    """The max_position_embeddings of this run's exports: the recipe's for a fresh model or a phase (init_from builds
+    the recipe's config), a checkpoint's own (model.name_or_path; None where its config cannot be read here)."""
+    if model.name_or_path is None:
+        return model.max_position_embeddings
+    try:
+        config = json.loads((Path(model.name_or_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):   # a Hub model, or not there: modeling.check_sequence_length tells at the fine-tune
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) else None
 
 
 def score_metric(fine_tune) -> str:

@@ -182,13 +182,14 @@ def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_
             raise ConfigError(f"model.name_or_path={model_cfg.name_or_path}: cannot load its config "
                               f"({first_line(err)}); give a Hugging Face model directory or a Hub name") from None
         built_here = of_model_type(config.model_type)
-        if built_here != model_cfg.architecture and (task.kind == "mlm" or built_here is not None):
+        named = model_cfg.architecture or built_here or "bert"   # None (no config.validate resolved it): the checkpoint's
+        if built_here != named and (task.kind == "mlm" or built_here is not None):
             fix = (f"set model.architecture={built_here}" if built_here else
                    f"mlm pretraining here builds {', '.join(ARCHITECTURES)}")
             raise ConfigError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model and "
-                              f"model.architecture={model_cfg.architecture}: {fix}")
+                              f"model.architecture={named}: {fix}")
         # a classifier from another model type (roberta, ...): BERT's dropout fields, which such configs share
-        return (arch if built_here else module("bert")).with_recipe_fields(config, model_cfg)
+        return module(built_here).with_recipe_fields(config, model_cfg)
     special = special or dict.fromkeys(("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id",
                                         "eos_token_id"), pad_token_id)
     config = arch.with_recipe_fields(arch.fresh_config(model_cfg, vocab_size, special), model_cfg)

@@ -65,7 +65,7 @@ def check_paths(cfg: Config) -> list[str]:
     if cfg.data.source == "prepared":
         check_prepared_dir(cfg.data)
     check_resume_path(cfg.checkpoint.resume)
-    check_downstream(cfg.checkpoint.downstream, cfg.task.kind)
+    check_downstream(cfg.checkpoint.downstream, cfg.task.kind, cfg.model)   # can its recipe fine-tune this model?
     return notes
 
 

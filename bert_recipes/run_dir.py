@@ -22,12 +22,13 @@ from .ranks import all_max, barrier, broadcast, on_rank0, print0, written_by_all
 
 
 _NOT_THE_RUN = {"checkpoint.resume", "run.overwrite", "run.output_dir", "train.halt_at_step", "logging.progress_bar",
-                "run.lock_wait_s", "run.lock_stale_s"}
+                "run.lock_wait_s", "run.lock_stale_s", "checkpoint.accept_data_change"}
 
 
 def config_differences(old_yaml: str, new_yaml: str) -> list[str]:
     """'section.key: old -> new' for every setting that differs (ignoring those that only steer
-    this invocation: resume, overwrite, where the directory is, halt_at_step, the progress bar); a rule
+    this invocation: resume, overwrite, where the directory is, halt_at_step, the progress bar, a data change
+    accepted); a rule
     the old config predates is one line in words, first (predated_rules)."""
     rules, changes = _differences(old_yaml, new_yaml)
     return rules + changes

@@ -1,6 +1,7 @@
 """Config: recipes parse, overrides apply in order, bad input fails with a message naming the key."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,72 @@ def test_accelerate_configs_parse_and_every_line_is_annotated(path):
     for line in path.read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             assert "#" in line, f"{path.name}: line without a comment: {line!r}"
+
+
+# ---------------------------------------------------------------------------- model.architecture's default
+def resolved(*overrides: str) -> str:
+    """model.architecture as config.validate decides it for these overrides."""
+    cfg = load_config(None, ["train.max_steps=1", *overrides])
+    validate(cfg)
+    return cfg.model.architecture
+
+
+def checkpoint_dir(tmp_path, model_type: str) -> Path:
+    """A model directory whose config.json says model_type (all that the architecture is read from)."""
+    path = tmp_path / model_type
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 32}))
+    return path
+
+
+def test_the_architecture_is_the_checkpoints_unless_the_recipe_names_it(tmp_path):
+    """Unset, model.architecture is what model.name_or_path's config.json says (bert for a fresh model), decided once
+    and saved so; named as another, or beside a field its checkpoint's architecture lacks: one line naming both."""
+    modern, bert, roberta = (checkpoint_dir(tmp_path, t) for t in ("modernbert", "bert", "roberta"))
+    assert resolved() == "bert"
+    assert resolved(f"model.name_or_path={modern}") == "modernbert"
+    assert resolved(f"model.name_or_path={bert}") == "bert"
+    assert resolved(f"model.name_or_path={modern}", "model.architecture=modernbert") == "modernbert"
+    # a classifier from a model type built nowhere here (a Hub RoBERTa): transformers' class, BERT's fields
+    assert resolved(f"model.name_or_path={roberta}", "task.kind=classification") == "bert"
+    cfg = load_config(None, ["train.max_steps=1", f"model.name_or_path={modern}"])
+    validate(cfg)
+    validate(cfg)   # a second validate (train.py's command line, then preflight) keeps it
+    assert yaml.safe_load(to_yaml(cfg))["model"]["architecture"] == "modernbert"
+    cases = [((f"model.name_or_path={modern}", "model.architecture=bert"),
+              f"model.name_or_path={modern} is a modernbert model and model.architecture=bert: set "
+              "model.architecture=modernbert, or leave it unset (the checkpoint's)"),
+             ((f"model.name_or_path={roberta}",),
+              f"model.name_or_path={roberta} is a roberta model: masked-LM pretraining here builds bert, modernbert "
+              "(model.architecture, bert_recipes/architectures/); give a checkpoint of one of them, or leave "
+              "model.name_or_path unset for a fresh model"),
+             ((f"model.name_or_path={bert}", "model.local_attention=64"),
+              f"model.local_attention=64 is ModernBERT's; model.architecture=bert (unset, so the checkpoint's: "
+              f"model.name_or_path={bert} is a bert model) has no such field: remove it"),
+             (("model.local_attention=64",), "model.local_attention=64 is ModernBERT's; model.architecture=bert has no "
+                                             "such field: remove it (or set model.architecture=modernbert)")]
+    for overrides, said in cases:
+        with pytest.raises(ConfigError) as err:
+            resolved(*overrides)
+        assert str(err.value) == said
+    # a checkpoint not written yet: the recipe's own fields stand in; the run's path check says why it cannot start
+    assert resolved(f"model.name_or_path={tmp_path / 'runs/x/model'}") == "bert"
+    assert resolved(f"model.name_or_path={tmp_path / 'runs/x/model'}", "model.local_attention=64") == "modernbert"
+
+
+def test_a_phase_takes_the_architecture_of_the_run_it_starts_from(tmp_path):
+    """checkpoint.init_from: the architecture the run it names trained (its checkpoint's saved config), from the run's
+    directory or one checkpoint; a checkpoint saved before model.architecture existed holds a BERT."""
+    run = tmp_path / "phase1"
+    checkpoint = run / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "train_state.json").write_text("{}")
+    (checkpoint / "config.yaml").write_text(to_yaml(load_config(None, ["model.architecture=modernbert"])))
+    assert resolved(f"checkpoint.init_from={run}", "model.local_attention=64") == "modernbert"
+    assert resolved(f"checkpoint.init_from={checkpoint}") == "modernbert"
+    with pytest.raises(ConfigError, match=f"model.hidden_dropout_prob=0.1 is BERT's; model.architecture=modernbert "
+                                          f"\\(unset, so the checkpoint's: checkpoint.init_from={run} trained "
+                                          "model.architecture=modernbert\\) has no such field: remove it"):
+        resolved(f"checkpoint.init_from={run}", "model.hidden_dropout_prob=0.1")
+    (checkpoint / "config.yaml").write_text("model:\n  hidden_size: 32\n")   # before model.architecture
+    assert resolved(f"checkpoint.init_from={run}") == "bert"

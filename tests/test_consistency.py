@@ -12,7 +12,7 @@ import pytest
 
 from bert_recipes.backends.consistency import WHOLE_TENSORS, check_consistency
 from bert_recipes.backends.plan import read_launch_plan
-from bert_recipes.config import ConfigError, load_config
+from bert_recipes.config import ConfigError, load_config, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,6 +39,7 @@ def test_shipped_configs_agree_with_every_shipped_recipe(name, tmp_path):
             ds["zero_optimization"][kind]["nvme_path"] = str(tmp_path)
     for recipe in sorted((REPO / "recipes").glob("*.yaml")):
         c = load_config(recipe)
+        validate(c)   # as preflight does first (model.architecture decided)
         if c.train.mixed_precision == "fp16":
             continue
         plan = plan_for(tmp_path, ds)

@@ -2,14 +2,19 @@
 a tiny pretraining on 2 processes exports each save's model apart from the rotation; the tool fine-tunes each in its
 own process and puts the scores into the run's metrics.json, curves.png and trackers (TensorBoard, the MLflow run
 continued), by pretraining step; a
-scored step is not fine-tuned again; a live run's files are left alone; each bad value is one line."""
+scored step is not fine-tuned again; a live run's files are left alone; each bad value is one line. A ModernBERT
+pretraining is scored the same way (make downstream, its recipe naming no architecture: the export's config says it),
+and a downstream recipe that cannot fine-tune the model the run trains is one line at the run's start."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
-from conftest import REPO, launch, refused_in_process, tiny_args
+import yaml
+
+from conftest import REPO, launch, refused_in_process, run_in_process, tiny_args
 
 sys.path.insert(0, str(REPO / "tools"))
 import downstream as tool  # noqa: E402 (tools/downstream.py: a tool's, not a training run's)
@@ -38,6 +43,7 @@ def test_each_checkpoint_gets_its_downstream_score(tmp_path, sample_dir, dataset
     run = tmp_path / "pretrain"
     result = launch(2, tiny_args(run, sample_dir, datasets_cache, **{
         "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 8, "checkpoint.save_every": 4,
+        "model.max_position_embeddings": 128,   # tiny-classify's data.max_seq_length: checked at the run's start
         "checkpoint.keep_last": 1, "checkpoint.downstream": REPO / "recipes/tiny-classify.yaml",
         "logging.trackers": "[tensorboard,mlflow]", "logging.plot": True}))
     assert result["final"]["num_processes"] == 2 and result["final"]["backend"]["name"] == "ddp"
@@ -97,3 +103,73 @@ def test_bad_downstream_settings_are_one_line(tmp_path, sample_dir, datasets_cac
     (tmp_path / "empty").mkdir()
     assert run_tool([str(tmp_path / "empty")]) == 2
     assert "holds no run (no config.yaml)" in capsys.readouterr().err
+
+
+# recipes/tiny-modernbert-mlm.yaml shrunk as tiny_args shrinks any recipe: 2 layers (layer 0 global, layer 1 local over
+# 16 tokens), no batch ramp (a 16-sequence batch throughout); 128 positions (RoPE: no weight), what tiny-classify reads
+MODERN_RECIPE = str(REPO / "recipes/tiny-modernbert-mlm.yaml")
+MODERN = {"model.local_attention": 16, "model.max_position_embeddings": 128, "train.global_batch_size_start": "null",
+          "train.batch_rampup_tokens": "null", "train.eval_every": "null", "train.eval_final": False}
+
+
+def downstream_recipe(tmp_path, **model_or_data) -> str:
+    """recipes/tiny-classify.yaml with some model.* / data.* keys changed (a dotted key each)."""
+    recipe = yaml.safe_load((REPO / "recipes/tiny-classify.yaml").read_text())
+    for key, value in model_or_data.items():
+        section, name = key.split(".")
+        recipe[section][name] = value
+    path = tmp_path / f"classify-{len(list(tmp_path.glob('classify-*')))}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def test_a_modernbert_pretraining_is_scored_through_make_downstream(tmp_path, sample_dir, datasets_cache,
+                                                                  shared_tokenizer):
+    """A ModernBERT pretraining (recipes/tiny-modernbert-mlm.yaml) exports each save; make downstream fine-tunes each
+    export with recipes/tiny-classify.yaml, which names no model.architecture: the export's config.json says
+    modernbert, and the fine-tune builds transformers' ModernBertForSequenceClassification from it. A score a step."""
+    run = tmp_path / "modern"
+    run_in_process(tiny_args(run, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, **MODERN, "train.max_steps": 4, "checkpoint.save_every": 2,
+        "checkpoint.downstream": REPO / "recipes/tiny-classify.yaml"}), MODERN_RECIPE)
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["architecture"] == "modernbert"
+    overrides = [f"--data.sample_dir={sample_dir}", f"--data.cache_dir={datasets_cache}", *FINE_TUNE]
+    done = subprocess.run(["make", "-s", "downstream", f"RUN={run}", "CPU=1", f"ARGS=--nproc 1 -- {' '.join(overrides)}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((run / "metrics.json").read_text())["history"]["downstream"]
+    assert [r["step"] for r in rows] == [2, 4] and all(r["metric"] == "accuracy" and 0 <= r["value"] <= 1 for r in rows)
+    for row in rows:   # each fine-tune resolved the export's architecture and trained a ModernBERT classifier
+        finetune = run / f"downstream/step_{row['step']:08d}/finetune"
+        assert yaml.safe_load((finetune / "config.yaml").read_text())["model"]["architecture"] == "modernbert"
+        assert json.loads((finetune / "model/config.json").read_text())["architectures"] == [
+            "ModernBertForSequenceClassification"]
+        assert json.loads((finetune / "metrics.json").read_text())["final"]["accuracy"] == row["value"]
+
+
+def test_a_downstream_recipe_that_cannot_fine_tune_the_model_is_one_line(tmp_path, sample_dir, datasets_cache,
+                                                                         shared_tokenizer, capsys):
+    """At a ModernBERT pretraining's start, its checkpoint.downstream recipe against the model it trains: another
+    model.architecture, a field only BERT has, a sequence longer than its positions: exit 2, one line naming the
+    field, the value and the fix, nothing written. The same recipe without them passes that check."""
+    cases = [({"model.architecture": "bert"}, "sets model.architecture=bert, and this run trains "
+                                              "model.architecture=modernbert: its fine-tunes start from this run's "
+                                              "exports; remove model.architecture from that recipe (an export's config "
+                                              "says what it is)"),
+             ({"model.hidden_dropout_prob": 0.1}, "sets model.hidden_dropout_prob=0.1, BERT's, and this run trains "
+                                                  "model.architecture=modernbert, which has no such field: remove it from "
+                                                  "that recipe"),
+             ({"data.max_seq_length": 256}, "has data.max_seq_length=256, and this run's exports hold "
+                                            "model.max_position_embeddings=128: set data.max_seq_length at most 128 in "
+                                            "that recipe, or pretrain with --model.max_position_embeddings=256")]
+    for change, said in cases:
+        recipe = downstream_recipe(tmp_path, **change)
+        argv = ["--recipe", MODERN_RECIPE] + [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
+            "tokenizer.name_or_path": shared_tokenizer, **MODERN, "checkpoint.downstream": recipe})]
+        line = refused_in_process(argv, tmp_path / "run", capsys)
+        assert line == f"config error: checkpoint.downstream={recipe} {said}", line
+    from bert_recipes.config import load_config, validate
+    from bert_recipes.downstream import check_downstream
+    cfg = load_config(MODERN_RECIPE, tiny_args(tmp_path / "run", sample_dir, datasets_cache, **MODERN))
+    validate(cfg)
+    check_downstream(downstream_recipe(tmp_path, **{"model.architecture": "modernbert"}), "mlm", cfg.model)   # passes

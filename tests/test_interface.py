@@ -137,7 +137,7 @@ def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datas
 
     from bert_recipes.backends.consistency import resolve_run
     from bert_recipes.backends.plan import LaunchPlan
-    from bert_recipes.config import load_config
+    from bert_recipes.config import load_config, validate
     from conftest import tiny_args
     sys.path.insert(0, str(REPO / "tools"))
     from config_path import follow, summary
@@ -145,6 +145,7 @@ def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datas
     cfg = load_config(None, tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
         "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 2, "model.dropout_impl": "packed",
         "train.tf32": True}))
+    validate(cfg)   # as preflight does first (model.architecture: the checkpoint's, else bert)
     plan = resolve_run(cfg, LaunchPlan(on_gpu=False), 1)
     assert (plan.world, plan.replicas, plan.accum, plan.precision) == (1, 1, 2, "no")
     assert plan.packed_dropout and not plan.tf32   # packed masks on CPU; TF32 is a GPU setting

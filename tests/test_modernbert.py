@@ -130,7 +130,7 @@ def tiny_model(arch: str):
 
 
 def test_bad_architecture_fields_are_one_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
-    """A field of the other architecture, an unknown one, and a ModernBERT checkpoint under architecture bert: one
+    """A field of the other architecture, an unknown one, and a ModernBERT checkpoint named architecture bert: one
     line each, nothing written. The pipeline engine, which cuts BERT's layers, refuses ModernBERT in one line."""
     export = tmp_path / "modern-export"
     tiny_model("modernbert").save_pretrained(export)
@@ -140,8 +140,9 @@ def test_bad_architecture_fields_are_one_line(tmp_path, sample_dir, datasets_cac
              ({"model.local_attention": 64}, "model.local_attention=64 is ModernBERT's; model.architecture=bert has "
                                              "no such field: remove it (or set model.architecture=modernbert)"),
              ({"model.architecture": "gpt2"}, "model.architecture=gpt2 is not one of bert, modernbert"),
-             ({"model.name_or_path": export}, f"model.name_or_path={export} is a modernbert model and "
-                                              "model.architecture=bert: set model.architecture=modernbert")]
+             ({"model.name_or_path": export, "model.architecture": "bert"},   # named: unset, it is the checkpoint's
+              f"model.name_or_path={export} is a modernbert model and model.architecture=bert: set "
+              "model.architecture=modernbert")]
     for extra, said in cases:
         argv = [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache,
                                             **{"tokenizer.name_or_path": shared_tokenizer, **extra})]

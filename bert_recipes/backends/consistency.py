@@ -76,8 +76,8 @@ def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="loca
     """The plan resolved with the recipe, once, before anything is built (preflight calls it, in every
     rank and before a Make target launches): world, replicas, accumulation, precision, TF32 and the
     dropout masks, with recipe and launch files compared (check_consistency). The engines read these
-    fields and never derive them again. Needs plan.on_gpu (launch_plan_here) and a numeric
-    train.micro_batch_size (preflight.choose_micro_batch). capability: the GPU's compute capability,
+    fields and never derive them again. Needs a validated config (config.validate: model.architecture
+    decided), plan.on_gpu (launch_plan_here) and a numeric train.micro_batch_size (preflight.choose_micro_batch). capability: the GPU's compute capability,
     "local" (this rank's GPU) or None (a GPU not at hand, as make memory plans for: bf16 not checked).
     -> the same plan, filled in."""
     if capability == "local":

@@ -121,12 +121,57 @@ def documents_attend_apart(cfg: Config) -> bool:
     return cfg.data.document_mask or cfg.data.unpad
 
 
-def check_architecture(model) -> None:
-    """model.architecture is a row of bert_recipes/architectures/, and no field of another architecture is set."""
-    from ..architectures import ARCHITECTURES, misplaced_field
-    if model.architecture not in ARCHITECTURES:
-        raise ConfigError(f"model.architecture={model.architecture} is not one of {', '.join(ARCHITECTURES)}")
-    why = misplaced_field(model.architecture, model)
+def resolve_architecture(model, task_kind: str, init_from: str | None) -> tuple[str, str | None]:
+    """model.architecture, where the recipe leaves it unset (None) the checkpoint's own, as it says: model.name_or_path's
+    (its config.json's model_type), checkpoint.init_from's (the run's saved config); else bert, a fresh model's.
+    A checkpoint of a model type that no architecture here builds: bert's fields for a classifier (transformers'
+    own class for it, as modeling.model_config builds it), one line for MLM. A source not readable here (a directory
+    not written yet, the Hub out of reach): the architecture whose fields the recipe sets, else bert, stands in, and
+    the run stops at that path in its own line (preflight.check_paths, modeling.model_config's "cannot load its
+    config"). A named architecture is checked against its checkpoint's where that can be read (init_from's: by
+    checkpoint.check_checkpoint_fits, a shape key). -> (the architecture, what said it: None where the recipe named
+    it or nothing did)."""
+    from ..architectures import ARCHITECTURES, of_checkpoint, of_fields, of_model_type, of_run
+    named, name = model.architecture, model.name_or_path
+    if name:
+        try:
+            model_type = of_checkpoint(name)
+        except (OSError, ValueError):   # not there (yet), or the Hub out of reach: the path's own line, later
+            model_type = None
+        if model_type is not None:
+            built_here = of_model_type(model_type)
+            if built_here is None and task_kind == "mlm":
+                raise ConfigError(f"model.name_or_path={name} is a {model_type} model: masked-LM pretraining here builds "
+                                  f"{', '.join(ARCHITECTURES)} (model.architecture, bert_recipes/architectures/); give a "
+                                  "checkpoint of one of them, or leave model.name_or_path unset for a fresh model")
+            if named is not None and built_here is not None and named != built_here:
+                raise ConfigError(f"model.name_or_path={name} is a {model_type} model and model.architecture={named}: "
+                                  f"set model.architecture={built_here}, or leave it unset (the checkpoint's)")
+            return named or built_here or "bert", None if named else f"model.name_or_path={name} is a {model_type} model"
+    elif init_from and named is None:
+        trained = of_run(init_from)
+        if trained is not None:
+            return trained, f"checkpoint.init_from={init_from} trained model.architecture={trained}"
+    if named is None and (name or init_from):   # a checkpoint not readable here: a stand-in until its path's line
+        return of_fields(model) or "bert", None
+    return named or "bert", None
+
+
+def check_architecture(cfg: Config) -> None:
+    """model.architecture resolved (resolve_architecture: unset, the checkpoint's), a row of
+    bert_recipes/architectures/, and no field of another architecture set."""
+    from ..architectures import ARCHITECTURES, foreign_field, misplaced_field
+    m = cfg.model
+    m.architecture, source = resolve_architecture(m, cfg.task.kind, cfg.checkpoint.init_from)
+    if m.architecture not in ARCHITECTURES:   # named so, or so in the config init_from's run saved
+        raise ConfigError(f"model.architecture={m.architecture} is not one of {', '.join(ARCHITECTURES)}"
+                          + (f" ({source})" if source else ""))
+    found = foreign_field(m.architecture, m)
+    if found and source:   # the checkpoint decided: the field goes, not the architecture
+        key, value, other = found
+        raise ConfigError(f"model.{key}={value} is {ARCHITECTURES[other].title}'s; model.architecture={m.architecture} "
+                          f"(unset, so the checkpoint's: {source}) has no such field: remove it")
+    why = misplaced_field(m.architecture, m)
     if why:
         raise ConfigError(why)
 
@@ -246,7 +291,7 @@ def validate(cfg: Config) -> None:
     if d.max_seq_length > m.max_position_embeddings and m.name_or_path is None:
         raise ConfigError(f"data.max_seq_length={d.max_seq_length} exceeds "
                           f"model.max_position_embeddings={m.max_position_embeddings}")
-    check_architecture(m)
+    check_architecture(cfg)
     c = cfg.checkpoint
     if c.init_optimizer and not c.init_from:
         raise ConfigError("checkpoint.init_optimizer=true needs checkpoint.init_from (the run whose optimizer state to "

@@ -107,9 +107,11 @@ class TaskConfig:
 
 @dataclass
 class ModelConfig:
-    architecture: str = "bert"
+    architecture: Optional[str] = None
     """bert, or modernbert (RoPE, GeGLU, pre-norm without biases, local and global attention layers): one of
-    bert_recipes/architectures/'s rows. A checkpoint (name_or_path) of one of them must be of this architecture."""
+    bert_recipes/architectures/'s rows. None (the default): the checkpoint's own, as its config says (name_or_path's
+    model_type; checkpoint.init_from's run), else bert for a fresh model; decided once, by config.validate, and saved
+    so. Named beside a checkpoint of another architecture: one line."""
     name_or_path: Optional[str] = None
     """Hub name or local directory to start from (e.g. an exported mlm run's model/ dir).
     None: a fresh config of the architecture built from the fields below."""
@@ -411,6 +413,12 @@ class CheckpointConfig:
     init_optimizer: bool = False
     """checkpoint.init_from: also carry the optimizer's state over (AdamW's moments and step counts); false starts
     them at zero, as a new run does."""
+    accept_data_change: bool = False
+    """Each checkpoint records its data files (data.source files: each file's size and a digest of sampled blocks;
+    prepared: the store's prepared.json). A resume whose files changed since (one rewritten in place, one gone) is
+    refused in one line naming the file; true resumes on the files as they are now, with a [resume] line for each
+    change (the data order from the checkpoint's step on is then another). Files a pattern added since are not a
+    change: a resume reads the checkpoint's own files (docs/checkpoints.md#the-data-of-a-resume)."""
     downstream: Optional[str] = None
     """mlm: a fine-tuning recipe that scores each saved checkpoint (e.g. recipes/tiny-classify.yaml). Every save also
     exports that step's model to <output_dir>/downstream/step_XXXXXXXX/model, which the rotation (keep_last) does
@@ -439,6 +447,10 @@ class LoggingConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Any of tensorboard, wandb, mlflow (the last two when installed); [] for none."""
     progress_bar: bool = True
+    """The train loop's bar (tqdm, on each node's first rank) and the data libraries' (datasets' loading, tokenizing
+    and packing; the tokenizer trainer's: data.data_progress_bars). false: none of them, for a log file (make demo, a
+    SLURM job), where the [train] lines say the same every logging.log_every steps. transformers' "Writing model
+    shards" bar never shows (export.no_shard_bar)."""
     profile: bool = False
     """torch.profiler over steps 2-4 (wait 1, warmup 1, active 3): a TensorBoard trace in
     output_dir/profile and a printed top-10 of operators by self time. CLI: --profile."""
@@ -447,10 +459,6 @@ class LoggingConfig:
     waits most (one slow rank holds every other one back)."""
     gpu_sampler: bool = True
     """On GPUs: NVML every 0.5 s in a background thread (GPU and memory busy, SM clock, temperature,
-    """The train loop's bar (tqdm, on each node's first rank) and the data libraries' (datasets' loading, tokenizing
-    and packing; the tokenizer trainer's: data.data_progress_bars). false: none of them, for a log file (make demo, a
-    SLURM job), where the [train] lines say the same every logging.log_every steps. transformers' "Writing model
-    shards" bar never shows (export.no_shard_bar)."""
     throttle reasons; bert_recipes/doctor/nvml.Sampler). Each log line gets the GPU's busy share and any
     throttling, metrics.json the window's aggregates. It never touches a CUDA stream. Off on CPU runs."""
     plot: bool = True
