@@ -3,7 +3,9 @@ its weights (and with checkpoint.init_optimizer its optimizer's state), its own 
 generators from step 0. Checked against the run that starts from the same weights by model.name_or_path (the export):
 equal losses and weights, bit for bit; the optimizer's state carried over changes the steps after the first (the
 control); a phase halted and resumed resumes itself, bit-exact; a RoPE model's positions grow, BERT's stay the
-checkpoint's (one line); each bad value one line. The shipped phase recipes' tiny twins: tests/test_recipes_chain.py."""
+checkpoint's (one line); each bad value one line. The shipped tiny phase recipes chain as shipped
+(test_the_tiny_modernbert_phase_recipes_chain); every shipped recipe's first steps on each ZeRO stage:
+tests/test_recipes.py."""
 from __future__ import annotations
 
 import json
