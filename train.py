@@ -30,7 +30,7 @@ if __name__ == "__main__":   # a mistake in the recipe or its overrides: one lin
 import torch  # noqa: E402 (after the command line's check)
 
 from bert_recipes.activations import Shape
-from bert_recipes.backends.deepspeed import deepspeed_norm_and_skip
+from bert_recipes.backends.deepspeed import deepspeed_norm_and_skip, host_adam
 from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
 from bert_recipes.backends.pipeline import train_batch
 from bert_recipes.backends.plan import launch_plan_here
@@ -249,8 +249,7 @@ def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: in
     if getattr(model, "loading_report", None):
         print0(model.loading_report)
     module = engine.wrap(model)   # the pipeline cuts it into stages; Accelerate keeps it whole
-    # (a DeepSpeed JSON with an optimizer block replaces this one: then no CPU Adam is built for nothing)
-    optimizer = build_optimizer(module, cfg.optim, offloaded=plan.offloads_optimizer and "optimizer" not in plan.ds_config)
+    optimizer = build_optimizer(module, cfg.optim, host_adam=host_adam(plan, cfg.optim))   # ZeRO offload: DeepSpeed's
     return module, optimizer, build_scheduler(optimizer, cfg.optim, total_steps), model_config
 
 

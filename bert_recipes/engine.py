@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 
 from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, set_kernels
-from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, fill_micro_batch, saved_meeting_the_barrier,
-                                 zero3_keeps_model_dtype)
+from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, fill_micro_batch, fp32_state_dict,
+                                 saved_meeting_the_barrier, zero3_keeps_model_dtype)
 from .backends.deepspeed_universal import resharded
 from .backends.fsdp import wrap_model_layers
 from .backends.plan import LaunchPlan
 from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .config import DataConfig, OptimConfig, TaskConfig, TrainConfig
-from .export import export_model
+from .export import write_export
 from .metrics import joined_rows
 from .mixture import MixedOrder
 from .modeling import batch_rows, predictions
@@ -250,7 +250,14 @@ class AccelerateEngine:
         carry_over(lambda: self.load(path), self.optimizer, self.scheduler, optimizer_state, self.on_gpu)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
-        return export_model(self.accelerator, self.model, tokenizer, out_dir, config_yaml, card)
+        """The Hugging Face export (export.write_export) of the full fp32 weights, gathered on the main process
+        (full_state_dict). Collective; no barrier after it: the caller agrees on the write (export.export_agreed)."""
+        out = Path(out_dir)
+        state_dict = full_state_dict(self.accelerator, self.model)
+        if self.accelerator.is_main_process:
+            write_export(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), out, tokenizer,
+                         config_yaml, card, state_dict, save_function=self.accelerator.save)
+        return out
 
     def final(self) -> dict:
         """Collective: every rank's peak memory (GPUs)."""
@@ -258,3 +265,16 @@ class AccelerateEngine:
         return {"peak_memory_gb_per_rank": peak_memory_gb(all_sum, a.process_index, a.num_processes, a.device,
                                                           self.on_gpu),
                 "distributed_type": str(a.distributed_type)}
+
+
+def full_state_dict(accelerator, model) -> dict:
+    """The full, consolidated fp32 weights on the main process. Every rank must call this: under
+    sharded backends (ZeRO-3, FSDP) it is a collective that gathers the shards."""
+    if accelerator.state.deepspeed_plugin is not None:
+        state_dict = fp32_state_dict(accelerator, accelerator.unwrap_model(model, keep_torch_compile=False))
+    else:
+        state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:   # train.compile: the compiled wrapper prefixes every key with _orig_mod.
+        state_dict = {k.removeprefix("_orig_mod."): v.float() if v.is_floating_point() else v
+                      for k, v in state_dict.items()}
+    return state_dict

@@ -1,5 +1,5 @@
-"""The Hugging Face export every engine writes: config.json, fp32 model.safetensors (full weights, gathered
-where the backend shards them), the tokenizer, the recipe and a model card; loadable with plain
+"""The Hugging Face export every engine writes: config.json, fp32 model.safetensors (full weights, which each
+engine gathers where its backend shards them: engine.full_state_dict, the pipeline's stages), the tokenizer, the recipe and a model card; loadable with plain
 from_pretrained. Written through <out>.partial and agreed on by every rank (export_agreed): a full disk is one
 line, and the previous export and the checkpoints stay. Then, where checkpoint.push_to_hub asks, uploaded to the
 Hub (push_to_hub)."""
@@ -15,31 +15,6 @@ import torch
 from .config import CheckpointConfig
 from .disk import disk_full
 from .ranks import print0, written_by_all
-
-
-def full_state_dict(accelerator, model) -> dict:
-    """The full, consolidated fp32 weights on the main process. Every rank must call this: under
-    sharded backends (ZeRO-3, FSDP) it is a collective that gathers the shards."""
-    if accelerator.state.deepspeed_plugin is not None:
-        from .backends.deepspeed import fp32_state_dict
-        state_dict = fp32_state_dict(accelerator, accelerator.unwrap_model(model, keep_torch_compile=False))
-    else:
-        state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:   # train.compile: the compiled wrapper prefixes every key with _orig_mod.
-        state_dict = {k.removeprefix("_orig_mod."): v.float() if v.is_floating_point() else v
-                      for k, v in state_dict.items()}
-    return state_dict
-
-
-def export_model(accelerator, model, tokenizer, out_dir: str | Path, config_yaml: str, card: str) -> Path:
-    """Hugging Face format (config.json + fp32 model.safetensors + tokenizer + recipe + model
-    card README.md), loadable with plain from_pretrained."""
-    out = Path(out_dir)
-    state_dict = full_state_dict(accelerator, model)
-    if accelerator.is_main_process:   # no barrier after it: the caller agrees on the write (train.finish)
-        write_export(accelerator.unwrap_model(model, keep_torch_compile=False), out, tokenizer, config_yaml, card,
-                     state_dict, save_function=accelerator.save)
-    return out
 
 
 def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state_dict: dict | None = None,

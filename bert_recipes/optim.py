@@ -9,12 +9,12 @@ import torch
 from .config import OptimConfig
 
 
-def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model, cfg: OptimConfig, host_adam=None) -> torch.optim.Optimizer:
     """AdamW (optim.name: adamw), LAMB (lamb) or StableAdamW (stable_adamw); biases and LayerNorm weights get no
     weight decay.
     The recipe owns the maths; the backend picks the implementation: torch's fused AdamW kernel (CUDA
-    and CPU; optim.fused=false: the foreach multi-tensor one), and under ZeRO offload
-    (offloaded: the step runs on the CPU) DeepSpeed's vectorised CPU Adam (optim.cpu_adam)."""
+    and CPU; optim.fused=false: the foreach multi-tensor one), or host_adam(groups, cfg), the backend's own AdamW
+    for a step on the host (ZeRO offload: DeepSpeed's vectorised CPU Adam, backends/deepspeed.host_adam)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -26,9 +26,8 @@ def build_optimizer(model, cfg: OptimConfig, offloaded: bool = False) -> torch.o
         return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, trust_ratio=cfg.lamb_trust_ratio)
     if cfg.name == "stable_adamw":
         return StableAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if offloaded and cfg.cpu_adam:
-        from .backends.deepspeed import cpu_adam
-        return cpu_adam(groups, cfg)
+    if host_adam is not None:
+        return host_adam(groups, cfg)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=True if cfg.fused else None, foreach=None if cfg.fused else True)
 

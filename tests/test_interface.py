@@ -186,6 +186,72 @@ def package_imports() -> dict[str, set[str]]:
     return {name: {t for t in targets if t in graph} for name, targets in graph.items()}
 
 
+def layers() -> dict[str, int]:
+    """docs/changing.md's layer table -> {module or package/ as the table writes it: its layer}."""
+    import re
+    text = (REPO / "docs/changing.md").read_text().split("## Layers", 1)[1]
+    rows = re.findall(r"^\| (\d)\. [^|]+\|[^|]+\|(.+)\|$", text, re.M)
+    assert [int(n) for n, _ in rows] == list(range(1, len(rows) + 1)), rows
+    return {name: int(n) for n, cells in rows for name in re.findall(r"`([^`]+)`", cells)}
+
+
+def module_imports(path: Path, name: str) -> set[str]:
+    """The bert_recipes modules a file imports anywhere in it: relative and absolute `from ... import`, `import
+    bert_recipes.x`, and importlib.import_module with a literal name (a relative one with its package argument)."""
+    import ast
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}   # `from . import x` is x
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module" \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            target = node.args[0].value
+            found.add(".".join(base) + target if target.startswith(".") else target)
+    return {m for m in found if m == "bert_recipes" or m.startswith("bert_recipes.")}
+
+
+def test_imports_follow_the_layers(tmp_path):
+    """docs/changing.md's layers: every module of the package is placed, and none imports from a layer below its
+    own, not even inside a function. The control: the check sees the imports that ran against them (optim.py's
+    function-local one of DeepSpeed's CPU Adam, an import_module by a literal name)."""
+    placed = layers()
+
+    def layer(module: str) -> int | None:   # the module's own row, else its nearest package's `name/` row
+        parts = module.split(".")[1:]
+        if "/".join(parts) in placed:
+            return placed["/".join(parts)]
+        return next((placed[f"{'/'.join(parts[:i])}/"] for i in range(len(parts), 0, -1)
+                     if f"{'/'.join(parts[:i])}/" in placed), None)
+
+    root, against, unplaced = REPO / "bert_recipes", [], []
+    files = {".".join(("bert_recipes", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+             for p in sorted(root.rglob("*.py")) if p.parent.parent.name != "metrics"}   # (metric scripts: evaluate's)
+    for name, path in files.items():
+        own = layer(name)
+        if own is None:
+            unplaced.append(name)
+            continue
+        for target in sorted(module_imports(path, name) & set(files)):   # modules, not the names imported from them
+            theirs = layer(target)
+            if theirs > own:
+                against.append(f"{name} (layer {own}) imports {target} (layer {theirs})")
+    assert not unplaced, f"not in docs/changing.md's layer table: {unplaced}"
+    assert not against, against
+    assert layer("bert_recipes.backends.deepspeed") == 5 and layer("bert_recipes.backends.plan") == 1
+    assert layer("bert_recipes.architectures.bert") == 2 and layer("bert_recipes.architectures") == 1
+    control = tmp_path / "optim.py"
+    control.write_text("import importlib\n\n\ndef build():\n    from .backends.deepspeed import cpu_adam\n"
+                       "    return importlib.import_module('.engine', 'bert_recipes'), cpu_adam\n")
+    seen = module_imports(control, "bert_recipes.optim") & set(files)
+    assert seen == {"bert_recipes.backends.deepspeed", "bert_recipes.engine"}, seen
+    assert [layer(m) for m in sorted(seen)] == [5, 5] and layer("bert_recipes.optim") == 2
+
+
 def test_no_import_circle_in_the_package():
     """Not even through a function-local import (config.validate -> metrics -> modeling -> config was one)."""
     graph = package_imports()

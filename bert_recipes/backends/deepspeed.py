@@ -11,7 +11,7 @@ DeepSpeed version it answers (0.19.8 unless it says otherwise; ds_configs/README
   CPU processes (check_nvme_gradient_swap), ZeRO-3's dtype slip (zero3_keeps_model_dtype);
 - what engaged (describe_deepspeed; REPLACED, when Accelerate ran something else);
 - a failed save that must still meet DeepSpeed's own barrier (saved_meeting_the_barrier);
-- what its own step decided (deepspeed_norm_and_skip), its CPU Adam (cpu_adam), the fp32 master weights an export holds
+- what its own step decided (deepspeed_norm_and_skip), its CPU Adam (host_adam, cpu_adam), the fp32 master weights an export holds
   (fp32_state_dict), and its `synchronize` for sync_audit.SyncAudit to count (its own step's host waits are
   listed in tests/deepspeed_syncs.py).
 
@@ -397,6 +397,14 @@ def deepspeed_norm_and_skip(accelerator, model) -> tuple:
     """After DeepSpeed's own step (inside backward, on the last micro batch): (its global gradient norm,
     whether it skipped the update: its overflow check, decided on the host)."""
     return model.get_global_grad_norm(), accelerator.optimizer_step_was_skipped
+
+
+def host_adam(plan: LaunchPlan, optim: OptimConfig):
+    """The AdamW a ZeRO offload steps on the host: DeepSpeed's vectorised CPU Adam (cpu_adam) where the recipe's
+    optimizer is built (no JSON optimizer block: then none is built for nothing), its AdamW steps offloaded and
+    optim.cpu_adam asks; None: torch's (optim.build_optimizer)."""
+    offloaded = plan.offloads_optimizer and "optimizer" not in plan.ds_config
+    return cpu_adam if offloaded and optim.cpu_adam and optim.name == "adamw" else None
 
 
 def cpu_adam(groups: list[dict], cfg):
