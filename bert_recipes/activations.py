@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import Config
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,7 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
             "total": embeddings + layers + head, "recompute": layer if checkpointing else 0}
 
 
-def workload_of(cfg, config=None, micro_batch: int | None = None, masked_tokens: int | None = None) -> Workload:
+def workload_of(cfg: Config, config=None, micro_batch: int | None = None, masked_tokens: int | None = None) -> Workload:
     """The Workload of a recipe (`cfg`: a Config), with the model config's dropout where the
     recipe keeps the checkpoint's."""
     m = cfg.model

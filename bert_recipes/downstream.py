@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ConfigError, path_kind
+from .config import Config, ConfigError, path_kind
 
 DIR = "downstream"
 SCORE_FILE = "score.json"
@@ -118,7 +118,7 @@ def scores(output_dir: Path) -> list[dict]:
     return rows
 
 
-def into_run(output_dir: Path, rows: list[dict], new: list[dict], cfg) -> None:
+def into_run(output_dir: Path, rows: list[dict], new: list[dict], cfg: Config) -> None:
     """The scores into the run's own files and trackers: metrics.json (history.downstream: every row;
     final.downstream: the last), curves.png (its downstream panel), and each of the run's logging.trackers
     (downstream/<metric> at the pretraining step of each `new` row: TensorBoard in its logs/, the MLflow run and

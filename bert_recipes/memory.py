@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .activations import Shape, Workload, activation_bytes, workload_of
+
+if TYPE_CHECKING:
+    from .config import Config
 
 GiB = 1024 ** 3
 
@@ -266,16 +270,17 @@ def fmt(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.2f} GiB" if n_bytes >= GiB / 10 else f"{n_bytes / 2 ** 20:.1f} MiB"
 
 
-def predict_run(cfg, model_config, plan, world: int, device: str, accum: int = 1,
-                masked_tokens: int | None = None) -> Plan | None:
-    """The plan of a running train.py: its recipe and model under the LaunchPlan it runs; None for
-    a backend the planner does not model."""
+def predict_run(cfg: Config, model_config, plan, world: int, device: str, accum: int = 1,
+                masked_tokens: int | None = None, micro_batch: int | None = None) -> Plan | None:
+    """The plan of a running train.py: its recipe and model under the LaunchPlan it runs (micro_batch: another
+    than train.micro_batch_size, as train.micro_batch_size=auto tries); None for a backend the planner does not
+    model."""
     states = states_of(plan)
     if states is None:
         return None
     launch = launch_of(plan, world, cfg.train.mixed_precision, device, accum)
     return plan_backend(states, Shape.from_config(model_config, cfg.task.kind),
-                        workload_of(cfg, model_config, masked_tokens=masked_tokens), launch,
+                        workload_of(cfg, model_config, micro_batch=micro_batch, masked_tokens=masked_tokens), launch,
                         cfg.model.gradient_checkpointing)
 
 
@@ -288,14 +293,12 @@ def describe_plan(plan: Plan) -> str:
 MARGIN_SHARE, MARGIN_BYTES = 0.10, 2 * 2 ** 30   # kept free: fragmentation, NCCL buffers, compile's pools
 
 
-def auto_micro_batch(cfg, model_config, plan, world: int, free_bytes: int, total_bytes: int) -> tuple[int, str]:
+def auto_micro_batch(cfg: Config, model_config, plan, world: int, free_bytes: int, total_bytes: int) -> tuple[int, str]:
     """The largest micro batch that divides global batch / data-parallel ranks and whose predicted peak
     (this planner: within 10% of an H200's measured peaks at micro 32, not checked at larger batches)
     fits `free_bytes` less a margin of 10% of the GPU and 2 GiB (the CUDA context is already outside
     free memory). -> (micro batch, the one-line reason). Pure arithmetic: the run passes what
     torch.cuda.mem_get_info() says."""
-    import copy
-
     from .backends.plan import pipeline_replicas
     from .config import ConfigError
     replicas = pipeline_replicas(plan, world)
@@ -306,9 +309,7 @@ def auto_micro_batch(cfg, model_config, plan, world: int, free_bytes: int, total
     budget = free_bytes - MARGIN_SHARE * total_bytes - MARGIN_BYTES
     tried = []
     for micro in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
-        trial = copy.deepcopy(cfg)
-        trial.train.micro_batch_size = micro
-        predicted = predict_run(trial, model_config, plan, world, "cuda", per_rank // micro)
+        predicted = predict_run(cfg, model_config, plan, world, "cuda", per_rank // micro, micro_batch=micro)
         if predicted is None:
             raise ConfigError(f"train.micro_batch_size=auto: the memory planner does not model the {plan.name} "
                               "backend; set a number (make memory estimates it)")

@@ -21,8 +21,8 @@ from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
 from .checkpoint import check_checkpoint_fits, check_resume_path, resumed_checkpoint
 from .downstream import check_downstream
-from .config import (PATH_KEYS, Config, ConfigError, check_mask_rate, padded_batches, parse_train_args, path_kind, resolve, to_yaml,
-                     validate)
+from .config import (PATH_KEYS, CheckpointConfig, Config, ConfigError, DataConfig, TaskConfig, check_mask_rate, padded_batches,
+                     parse_train_args, path_kind, resolve, to_yaml, validate)
 from .corpora import FILE_KEYS, resolve_into
 from .places import check_path_names, check_writable_dir, unwritable_default
 from .run_dir import check_output_dir
@@ -77,25 +77,25 @@ def _resumed_files(cfg: Config) -> dict[str, list[str]]:
         return {}
     try:
         if cfg.data.mixture:
-            saved = resumed_setting(cfg, "data", "mixture") or []
+            saved = resumed_setting(cfg.checkpoint, cfg.run.output_dir, "data", "mixture") or []
             names = [source.name for source in cfg.data.mixture]
             return {f"data.mixture[{i}].files": s.get("files") for i, s in enumerate(saved)
                     if isinstance(s, dict) and i < len(names) and s.get("name") == names[i]}
-        return {key: resumed_setting(cfg, "data", key.split(".")[1]) for key in FILE_KEYS}
+        return {key: resumed_setting(cfg.checkpoint, cfg.run.output_dir, "data", key.split(".")[1]) for key in FILE_KEYS}
     except (OSError, ValueError):
         return {}
 
 
-def check_caches(cfg: Config, env=os.environ) -> None:
+def check_caches(data: DataConfig, env=os.environ) -> None:
     """The cache directories the run writes into: the datasets cache (data.cache_dir, or the datasets
     library's own when unset), and the sample's directory when the sample is still to be built (a built
     sample is only read: sample.build_sample)."""
-    built = cfg.data.source == "sample" and path_kind(Path(cfg.data.sample_dir) / "manifest.json", "data.sample_dir") == "file"
-    for key, path in (("data.cache_dir", cfg.data.cache_dir or None),
-                      ("data.sample_dir", cfg.data.sample_dir if cfg.data.source == "sample" and not built else None)):
+    built = data.source == "sample" and path_kind(Path(data.sample_dir) / "manifest.json", "data.sample_dir") == "file"
+    for key, path in (("data.cache_dir", data.cache_dir or None),
+                      ("data.sample_dir", data.sample_dir if data.source == "sample" and not built else None)):
         if path is not None:
             check_writable_dir(Path(path), key)
-    problem = unwritable_default(datasets_cache_dir(env)) if cfg.data.cache_dir is None else None
+    problem = unwritable_default(datasets_cache_dir(env)) if data.cache_dir is None else None
     if problem:
         raise ConfigError(f"data.cache_dir is unset, so datasets caches in its own directory (HF_DATASETS_CACHE, else "
                           f"HF_HOME/datasets), {problem.split('; give')[0]}: set data.cache_dir (or HF_HOME) to a "
@@ -127,7 +127,7 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
     A mistake in what was written makes the later checks moot (a fixed recipe may point elsewhere), and the
     disk's state is read last because fixing an earlier mistake often changes it (another output_dir)."""
     validate(cfg)
-    notes = resolve(cfg) + choose_micro_batch(cfg, plan, world_size, env) + choose_loader(cfg, plan, env)
+    notes = resolve(cfg) + choose_micro_batch(cfg, plan, world_size, env) + choose_loader(cfg.data, cfg.task, plan, env)
     check_mask_rate(cfg)   # with data.length_bins=auto decided
     check_trackers(cfg.logging.trackers)
     if plan.on_gpu and cfg.model.dropout_impl == "packed":   # on_gpu: decided once, with the plan
@@ -143,7 +143,7 @@ def preflight(cfg: Config, plan: LaunchPlan, world_size: int, env=os.environ) ->
     check_checkpoint_fits(resumed, to_yaml(cfg))
     if resumed is None and cfg.checkpoint.init_from:   # a phase's first start (a preempted one resumes itself)
         notes += start_from_checkpoint(cfg)
-    check_caches(cfg)
+    check_caches(cfg.data)
     return notes
 
 
@@ -174,7 +174,7 @@ def choose_micro_batch(cfg: Config, plan: LaunchPlan, world_size: int, env=os.en
     if not plan.on_gpu:
         raise ConfigError("train.micro_batch_size=auto sizes the batch from a GPU's free memory; on CPU processes set "
                           "a number, e.g. --train.micro_batch_size=32")
-    saved = resumed_setting(cfg, "train", "micro_batch_size")
+    saved = resumed_setting(cfg.checkpoint, cfg.run.output_dir, "train", "micro_batch_size")
     if isinstance(saved, int):
         cfg.train.micro_batch_size = saved
         return [f"[config] train.micro_batch_size=auto -> {saved}: the value of the checkpoint being resumed"]
@@ -205,29 +205,30 @@ def auto_workers(on_gpu: bool, env=os.environ) -> tuple[int, str]:
                      f"kept for training, at most {MAX_AUTO_WORKERS}")
 
 
-def choose_loader(cfg: Config, plan: LaunchPlan, env=os.environ) -> list[str]:
+def choose_loader(d: DataConfig, task: TaskConfig, plan: LaunchPlan, env=os.environ) -> list[str]:
     """data.num_workers and data.length_bins when auto, decided once for the device (plan.on_gpu) and
     written into the run's resolved config. -> the notes saying what was chosen."""
-    d, notes = cfg.data, []
+    notes = []
     if d.num_workers == "auto":
         d.num_workers, why = auto_workers(bool(plan.on_gpu), env)
         if plan.on_gpu:   # on CPUs auto is the default's 0
             notes.append(f"[config] data.num_workers=auto -> {d.num_workers}: {why}")
     if d.length_bins == "auto":
         d.length_bins = 8 if plan.on_gpu else 0
-        if plan.on_gpu and padded_batches(cfg):
+        if plan.on_gpu and padded_batches(d, task):
             notes.append("[config] data.length_bins=auto -> 8: padded batches take one of 8 lengths (a GPU run: "
                          "each new shape costs kernels, cuDNN graphs and compiles)")
     return notes
 
 
-def resumed_setting(cfg: Config, section: str, key: str):
-    """A setting of the checkpoint this run resumes (checkpoint.resume: auto, or a path), or None."""
+def resumed_setting(checkpoint: CheckpointConfig, output_dir: str, section: str, key: str):
+    """A setting of the checkpoint this run resumes (checkpoint.resume: auto, the latest in output_dir; or a path), or
+    None."""
     import yaml
 
     from .checkpoint import CONFIG_FILE, complete_checkpoints
-    resume = cfg.checkpoint.resume
-    found = complete_checkpoints(cfg.run.output_dir)[-1:] if resume == "auto" else [Path(resume)] if resume else []
+    resume = checkpoint.resume
+    found = complete_checkpoints(output_dir)[-1:] if resume == "auto" else [Path(resume)] if resume else []
     if not found or not (found[0] / CONFIG_FILE).is_file():
         return None
     return (yaml.safe_load((found[0] / CONFIG_FILE).read_text()) or {}).get(section, {}).get(key)

@@ -349,8 +349,8 @@ def test_auto_workers_and_bins_follow_the_device_and_the_cores(monkeypatch, on_g
     from bert_recipes.preflight import choose_loader
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     cfg = load_config(REPO / "recipes/tiny-classify.yaml")
-    notes = choose_loader(cfg, LaunchPlan(on_gpu=on_gpu), {"LOCAL_WORLD_SIZE": str(ranks)})
+    notes = choose_loader(cfg.data, cfg.task, LaunchPlan(on_gpu=on_gpu), {"LOCAL_WORLD_SIZE": str(ranks)})
     assert (cfg.data.num_workers, cfg.data.length_bins) == (workers, bins)
     assert bool(notes) is on_gpu and all(note.startswith("[config] data.") for note in notes)
     cfg = load_config(REPO / "recipes/tiny-classify.yaml", ["data.num_workers=3", "data.length_bins=2"])
-    assert choose_loader(cfg, LaunchPlan(on_gpu=on_gpu), {}) == [] and (cfg.data.num_workers, cfg.data.length_bins) == (3, 2)
+    assert choose_loader(cfg.data, cfg.task, LaunchPlan(on_gpu=on_gpu), {}) == [] and (cfg.data.num_workers, cfg.data.length_bins) == (3, 2)

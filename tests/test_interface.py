@@ -252,6 +252,74 @@ def test_imports_follow_the_layers(tmp_path):
     assert [layer(m) for m in sorted(seen)] == [5, 5] and layer("bert_recipes.optim") == 2
 
 
+SECTIONS = {"run", "task", "model", "tokenizer", "data", "optim", "train", "checkpoint", "logging"}
+# where the whole config may go: the config package, preflight's entry point and the engine builders (they take it
+# apart); anywhere else a function that takes it reads three sections or more, itself or through the functions it
+# hands it to
+WHOLE_CONFIG_ENTRIES = {("preflight", "preflight"), ("engine", "build_engine")}
+
+
+def whole_config_readers() -> dict[tuple[str, str], tuple[set[str], set[str]]]:
+    """(module, function) -> (the config sections it reads, the functions it hands the whole config to), for every
+    function of the package with a parameter of type Config. A parameter named cfg without a type is one too (its
+    type is unknown: -> {"?"}). getattr(cfg, key) and the config package's whole-tree writers read every section."""
+    import ast
+    found = {}
+    for path in sorted((REPO / "bert_recipes").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO / "bert_recipes").with_suffix("").parts)
+        for f in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = f.args.posonlyargs + f.args.args + f.args.kwonlyargs
+            typed = {a.arg: ast.unparse(a.annotation).strip("'\"") if a.annotation is not None else None for a in params}
+            names = [n for n, t in typed.items() if t == "Config" or (n == "cfg" and t is None)]
+            if not names:
+                continue
+            name, read, handed = names[0], set(), set()
+            if typed[name] is None:
+                read.add("?")
+            for node in ast.walk(f):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == name:
+                    read |= {node.attr} & SECTIONS
+                if isinstance(node, ast.Call) and any(isinstance(a, ast.Name) and a.id == name
+                                                      for a in node.args + [k.value for k in node.keywords]):
+                    callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                    if callee in {"getattr", "to_dict", "flat_dict", "to_yaml"}:
+                        read |= SECTIONS
+                    handed.add(callee)
+            found[module, f.name] = (read, handed)
+    return found
+
+
+def test_the_whole_config_goes_only_where_three_sections_are_read():
+    """Builders and checks take the sections they read; the whole config enters a function outside the config
+    package, preflight's entry point and the engine builders only where it reads three sections or more (itself or
+    through the functions it hands the config to). The control: a function that reads one section is named."""
+    found = whole_config_readers()
+    by_name: dict[str, list] = {}
+    for (module, name), entry in found.items():
+        by_name.setdefault(name, []).append(entry)
+
+    def reads(name: str, seen: frozenset) -> set[str]:
+        out = set()
+        for read, handed in by_name.get(name, []):
+            out |= read
+            for callee in handed - seen:
+                out |= reads(callee, seen | {callee})
+        return out
+
+    def narrow(found_here) -> list[str]:
+        return [f"{module}.{name} takes the whole config and reads {sorted(reads(name, frozenset({name})))}"
+                for (module, name) in sorted(found_here) if not module.startswith("config.")
+                and (module, name) not in WHOLE_CONFIG_ENTRIES
+                and ("?" in reads(name, frozenset({name})) or len(reads(name, frozenset({name})) & SECTIONS) < 3)]
+    assert narrow(found) == []
+    assert ("preflight", "choose_micro_batch") in found and len(reads("choose_micro_batch", frozenset())) >= 3
+    by_name["control"] = [({"optim"}, set())]   # the control: ds_block_conflicts as it was, reading cfg.optim only
+    assert narrow({("backends.deepspeed", "control")}) == [
+        "backends.deepspeed.control takes the whole config and reads ['optim']"]
+
+
 def test_no_import_circle_in_the_package():
     """Not even through a function-local import (config.validate -> metrics -> modeling -> config was one)."""
     graph = package_imports()

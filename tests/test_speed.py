@@ -322,7 +322,7 @@ def test_warmup_decay_lr_with_a_floor_is_refused():
     from bert_recipes.backends.deepspeed import ds_block_conflicts
     from bert_recipes.config import load_config
     cfg = load_config(REPO / "recipes/tiny-mlm.yaml", ["optim.min_lr_ratio=0.1"])
-    conflicts = ds_block_conflicts(cfg, {"scheduler": TEMPLATE["scheduler"]}, "ds.json")
+    conflicts = ds_block_conflicts(cfg.optim, {"scheduler": TEMPLATE["scheduler"]}, "ds.json")
     assert conflicts == ["schedule: recipe optim.min_lr_ratio=0.1, ds.json scheduler.type=WarmupDecayLR decays to 0 "
                          "(set min_lr_ratio: 0, or drop the JSON's scheduler block)"]
 

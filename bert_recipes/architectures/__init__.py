@@ -76,8 +76,8 @@ def of_run(init_from: str) -> str | None:
     before the run it starts from): phases.resolve_init's line comes with the run's path checks."""
     import yaml
     path = Path(init_from).expanduser()
-    saved_with = [c.parent / "config.yaml" for c in sorted(path.glob("checkpoints/step_*/train_state.json"))]
     try:   # its latest checkpoint's (what the phase loads), else the run's own
+        saved_with = [c.parent / "config.yaml" for c in sorted(path.glob("checkpoints/step_*/train_state.json"))]
         saved = yaml.safe_load((saved_with[-1] if saved_with else path / "config.yaml").read_text())
     except (OSError, ValueError, yaml.YAMLError):   # not there, unreadable: the path checks say so
         return None

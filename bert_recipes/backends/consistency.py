@@ -90,7 +90,7 @@ def resolve_run(cfg: Config, plan: LaunchPlan, world_size: int, capability="loca
     plan.precision, plan.tf32 = cfg.train.mixed_precision, bool(plan.on_gpu and cfg.train.tf32)
     plan.packed_dropout = packed_dropout_here(cfg.model.dropout_impl, cfg.train.compile,
                                               "cuda" if plan.on_gpu else "cpu")
-    plan.padded, plan.repeating_shapes = padded_batches(cfg), repeating_shapes(cfg)
+    plan.padded, plan.repeating_shapes = padded_batches(cfg.data, cfg.task), repeating_shapes(cfg)
     plan.attention_path = attention_path(cfg, plan) if documents_attend_apart(cfg) else None
     return plan
 

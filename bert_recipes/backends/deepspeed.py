@@ -123,7 +123,7 @@ def deepspeed_conflicts(cfg: Config, plan: LaunchPlan, world_size: int, accum: i
         conflicts.append(f"clipping: recipe optim.max_grad_norm={o.max_grad_norm}, accelerate config "
                          f"gradient_clipping={plan.grad_clip_env}")
     # a JSON that owns the optimizer / schedule (Accelerate's templates): the recipe fills its "auto"s
-    conflicts += ds_block_conflicts(cfg, ds, name)
+    conflicts += ds_block_conflicts(cfg.optim, ds, name)
     if plan.pipeline:
         conflicts += pipeline_conflicts(cfg, plan, name)
     elif cfg.train.compile and plan.zero_stage == 3:
@@ -179,10 +179,10 @@ def pipeline_conflicts(cfg: Config, plan: LaunchPlan, name: str) -> list[str]:
     return conflicts
 
 
-def ds_block_conflicts(cfg: Config, ds: dict, name: str) -> list[str]:
+def ds_block_conflicts(o: OptimConfig, ds: dict, name: str) -> list[str]:
     """A DeepSpeed JSON may own the optimizer and the schedule, as Accelerate's templates do; each
-    value it pins must be the recipe's (the "auto"s are filled from the recipe)."""
-    o, out = cfg.optim, []
+    value it pins must be the recipe's optim (the "auto"s are filled from the recipe)."""
+    out = []
     for key in ("optimizer", "scheduler"):
         if key in ds and not (isinstance(ds[key], dict) and isinstance(ds[key].get("params", {}), dict)):
             out.append(f"{key}: {name} {key} must be a mapping with a type and a params mapping, got {ds[key]!r}")
@@ -407,11 +407,11 @@ def host_adam(plan: LaunchPlan, optim: OptimConfig):
     return cpu_adam if offloaded and optim.cpu_adam and optim.name == "adamw" else None
 
 
-def cpu_adam(groups: list[dict], cfg):
+def cpu_adam(groups: list[dict], optim: OptimConfig):
     """DeepSpeed's vectorised CPU Adam for an offloaded step (optim.cpu_adam), in AdamW mode (decoupled
     weight decay, as the recipe's AdamW). JIT-built on first use (about 45 s), then cached."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=True)
+    return DeepSpeedCPUAdam(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, adamw_mode=True)
 
 
 def fp32_state_dict(accelerator, unwrapped) -> dict:

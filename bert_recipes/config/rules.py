@@ -8,7 +8,7 @@ import math
 
 from ..metrics import available_metrics, default_metrics   # the metric scripts' names (stdlib only)
 from .readers import ConfigError
-from .schema import _RANGES, Config, TrainConfig
+from .schema import _RANGES, Config, DataConfig, TaskConfig, TrainConfig
 
 
 
@@ -109,10 +109,10 @@ def packed_dropout_here(impl: str, compile: bool, device_type: str) -> bool:
     return impl == "packed" and device_type == "cpu" and not compile
 
 
-def padded_batches(cfg: Config) -> bool:
+def padded_batches(data: DataConfig, task: TaskConfig) -> bool:
     """Are this run's training batches padded (lengths that vary, an attention mask)? Packed MLM blocks are not, nor
     unpadded batches (data.unpad: one row of real tokens)."""
-    return (cfg.task.kind != "mlm" or not cfg.data.packing) and not cfg.data.unpad
+    return (task.kind != "mlm" or not data.packing) and not data.unpad
 
 
 def documents_attend_apart(cfg: Config) -> bool:
@@ -254,7 +254,7 @@ def repeating_shapes(cfg: Config) -> bool:
     batches repeat only with length bins (data.length_bins, once resolved to a number); unpadded ones never."""
     if cfg.data.unpad:
         return False
-    if padded_batches(cfg):
+    if padded_batches(cfg.data, cfg.task):
         return isinstance(cfg.data.length_bins, int) and cfg.data.length_bins > 0
     return cfg.task.kind != "mlm" or cfg.data.max_predictions_per_seq is not None or not cfg.model.sparse_mlm_head
 
