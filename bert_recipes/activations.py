@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .config import Config
 
 
 @dataclass(frozen=True)
@@ -126,9 +122,9 @@ def attention_kernel(work: Workload, device: str) -> str:
     return "fused" if work.attention_dropout == 0 else "math"
 
 
-def _attention_bytes(work: Workload, device: str, kernel: str, B: int, scores: int, lin: int, autocast: bool,
+def attention_bytes(work: Workload, device: str, kernel: str, B: int, scores: int, lin: int, autocast: bool,
                      mask) -> tuple[int, int]:
-    """activation_bytes' attention part of one layer -> (attention, context): what the kernel saves,
+    """An attention's saved bytes in one layer, for every architecture's activation_bytes -> (attention, context): what the kernel saves,
     and the context copy before the output projection. B: batch x seq x hidden elements; scores:
     batch x heads x seq x seq; lin: bytes of a linear's input; mask: bytes of a dropout mask."""
     b, s, a = work.batch, work.seq, scores // (work.batch * work.seq * work.seq)
@@ -162,9 +158,9 @@ def _attention_bytes(work: Workload, device: str, kernel: str, B: int, scores: i
     return attention, context
 
 
-def _head_bytes(shape: Shape, work: Workload, device: str, B: int, tokens: int, lin: int, res: int, stat: int,
+def head_bytes(shape: Shape, work: Workload, device: str, B: int, tokens: int, lin: int, res: int, stat: int,
                 autocast: bool, e: int, p_h: bool, mask) -> int:
-    """activation_bytes' head part: the MLM prediction head (its rows: every position, the masked
+    """A head's saved bytes, for every architecture's activation_bytes: the MLM prediction head (its rows: every position, the masked
     ones, or K slots) or the pooler and classifier."""
     b, h = work.batch, shape.hidden
     if shape.num_labels is None:
@@ -196,69 +192,7 @@ def activation_bytes(shape: Shape, work: Workload, precision: str = "fp32", devi
     precision: 'fp32'; 'autocast' (DDP mixed precision: fp32 weights, 16-bit matmuls); 'half'
     (a 16-bit model, as DeepSpeed's bf16/fp16 makes it and FSDP2 gathers it). Returned parts: embeddings,
     per_layer, layers (all of them, or the stored layer inputs with checkpointing), head, total,
-    and recompute (one layer rebuilt during backward with checkpointing, else 0)."""
-    if shape.architecture != "bert":   # its own op-by-op count (bert_recipes/architectures/<name>.py)
-        return shape._architecture().activation_bytes(shape, work, precision, device, checkpointing)
-    b, s, a, i = work.batch, work.seq, shape.heads, shape.intermediate
-    tokens, B, Bi, scores = b * s, b * s * shape.hidden, b * s * i, b * a * s * s
-    autocast, half = precision == "autocast", precision == "half"
-    e = 2 if half else 4                    # the model's dtype
-    lin = 2 if autocast else e              # linear inputs and outputs
-    res = 4 if autocast else e              # residual stream and LayerNorm inputs (fp32 + 16-bit -> fp32)
-    stat = 4 if (device == "cuda" or not half) else 2   # LayerNorm mean and rstd
-    p_h = work.hidden_dropout > 0
-    packed = work.packed_dropout(device)
-
-    def mask(elements: int, of_bytes: int, module: bool = True) -> int:
-        """A dropout mask: bool on CUDA and packed (dropout modules), torch's on CPU in the input's dtype."""
-        return elements * (1 if device == "cuda" or (packed and module) else of_bytes)
-
-    # --- embeddings: input_ids and token_type_ids (int64) for the lookups, LayerNorm, dropout
-    embeddings = 2 * tokens * 8 + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
-
-    # --- one encoder layer
-    kernel = attention_kernel(work, device)
-    qkv_in = (3 if autocast else 1) * B * lin           # autocast casts the input once per linear
-    attention, context = _attention_bytes(work, device, kernel, B, scores, lin, autocast, mask)
-    layer = (qkv_in + attention + context
-             + (mask(B, lin) if p_h else 0)
-             + B * res + 2 * tokens * stat              # LayerNorm 1
-             + B * lin                                  # -> intermediate
-             + Bi * lin + Bi * lin                      # GELU input, its output -> output projection
-             + (mask(B, lin) if p_h else 0)
-             + B * res + 2 * tokens * stat)             # LayerNorm 2
-    # With padding, HF passes one bool (b, 1, s, s) mask; a fused sdpa converts it on every call into
-    # an additive mask in the query's dtype and saves that copy (the math path adds it and saves nothing).
-    if work.padded and kernel == "fused":
-        layer += b * s * (math.ceil(s / 8) * 8 if device == "cuda" else s) * lin
-
-    # --- head
-    head = _head_bytes(shape, work, device, B, tokens, lin, res, stat, autocast, e, p_h, mask)
-
-    layers = shape.layers * (B * res if checkpointing else layer)
-    if checkpointing and work.padded:   # the checkpoints also keep HF's mask, an input of every layer
-        layers += b * s * s * (1 if work.attn_implementation == "sdpa" else e)
-    return {"embeddings": embeddings, "per_layer": layer, "layers": layers, "head": head,
-            "total": embeddings + layers + head, "recompute": layer if checkpointing else 0}
-
-
-def workload_of(cfg: Config, config=None, micro_batch: int | None = None, masked_tokens: int | None = None) -> Workload:
-    """The Workload of a recipe (`cfg`: a Config), with the model config's dropout where the
-    recipe keeps the checkpoint's."""
-    m = cfg.model
-    # BERT's dropout fields, or ModernBERT's (mlp_dropout, attention_dropout; 0 in a fresh one)
-    hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else getattr(
-        config, "hidden_dropout_prob", getattr(config, "mlp_dropout", 0.1))
-    attention = (m.attention_probs_dropout_prob if m.attention_probs_dropout_prob is not None
-                 else getattr(config, "attention_probs_dropout_prob", getattr(config, "attention_dropout", 0.1)))
-    from .config import predictions_per_seq
-    from .mask_rate import largest
-    rate, k = largest(cfg.data, predictions_per_seq(cfg))   # a masking rate that moves: memory for its largest level
-    batch = micro_batch or cfg.train.micro_batch_size
-    if k is not None and masked_tokens is None:   # the static head: K slots a sequence, every one computed
-        masked_tokens = batch * k
-    return Workload(batch=batch, seq=cfg.data.max_seq_length, static_head=k is not None,
-                    hidden_dropout=hidden, attention_dropout=attention, attn_implementation=m.attn_implementation,
-                    sparse_head=m.sparse_mlm_head, masked_tokens=masked_tokens,
-                    mlm_probability=rate, padded=cfg.task.kind == "classification",
-                    dropout_impl=m.dropout_impl, compile=cfg.train.compile)
+    and recompute (one layer rebuilt during backward with checkpointing, else 0). Each architecture counts its own,
+    op by op (bert_recipes/architectures/<name>.py: activation_bytes), with the shared kernels' and heads' terms
+    here (attention_bytes, head_bytes)."""
+    return shape._architecture().activation_bytes(shape, work, precision, device, checkpointing)

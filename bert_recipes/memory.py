@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .activations import Shape, Workload, activation_bytes, workload_of
+from .activations import Shape, Workload, activation_bytes
 
 if TYPE_CHECKING:
     from .config import Config
@@ -268,6 +268,27 @@ def zero2_grad_partition(groups: list[list[int]], world: int) -> int:
 
 def fmt(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.2f} GiB" if n_bytes >= GiB / 10 else f"{n_bytes / 2 ** 20:.1f} MiB"
+
+
+def workload_of(cfg: Config, config=None, micro_batch: int | None = None, masked_tokens: int | None = None) -> Workload:
+    """The Workload of a recipe (`cfg`: a Config), with the model config's dropout where the recipe keeps the
+    checkpoint's (its architecture's fields: bert_recipes/architectures/<name>.py's `dropouts`)."""
+    from .architectures import module, of_config
+    from .config import predictions_per_seq
+    from .mask_rate import largest
+    m = cfg.model
+    kept = module(of_config(config)).dropouts(config) if config is not None else (0.1, 0.1)
+    hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else kept[0]
+    attention = m.attention_probs_dropout_prob if m.attention_probs_dropout_prob is not None else kept[1]
+    rate, k = largest(cfg.data, predictions_per_seq(cfg))   # a masking rate that moves: memory for its largest level
+    batch = micro_batch or cfg.train.micro_batch_size
+    if k is not None and masked_tokens is None:   # the static head: K slots a sequence, every one computed
+        masked_tokens = batch * k
+    return Workload(batch=batch, seq=cfg.data.max_seq_length, static_head=k is not None,
+                    hidden_dropout=hidden, attention_dropout=attention, attn_implementation=m.attn_implementation,
+                    sparse_head=m.sparse_mlm_head, masked_tokens=masked_tokens,
+                    mlm_probability=rate, padded=cfg.task.kind == "classification",
+                    dropout_impl=m.dropout_impl, compile=cfg.train.compile)
 
 
 def predict_run(cfg: Config, model_config, plan, world: int, device: str, accum: int = 1,

@@ -166,7 +166,7 @@ def test_the_plan_is_resolved_once_before_the_engine(tmp_path, sample_dir, datas
     # the whole tree goes only to what judges the recipe as a whole (docs/config.md): validate and its helpers
     # (config/rules.py, config/loading.py), the preflight and the plan's checks, and the memory planner; the rest
     # take their sections
-    judges = ("rules.", "loading.", "preflight.", "consistency.", "deepspeed.", "memory.", "activations.workload_of")
+    judges = ("rules.", "loading.", "preflight.", "consistency.", "deepspeed.", "memory.")
     assert result["whole"] and all(f.startswith(judges) for f in result["whole"]), result["whole"]
     assert (tmp_path / "run" / "metrics.json").is_file()
 

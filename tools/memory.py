@@ -30,12 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # tools/measure.py, under a harness's runpy too
 
-from bert_recipes.activations import Shape, activation_bytes, workload_of  # noqa: E402
+from bert_recipes.activations import Shape, activation_bytes  # noqa: E402
 from bert_recipes.backends.consistency import resolve_run  # noqa: E402
 from bert_recipes.backends.plan import LaunchPlan, backend_rows, first_row, plan_from_config_file  # noqa: E402
 from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
 from bert_recipes.memory import (GiB, Launch, States, fmt, launch_of, plan_backend, predict_run,  # noqa: E402
-                                 replicas, states_of, step_precision)
+                                 replicas, states_of, step_precision, workload_of)
 
 CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: not usable by tensors
 

@@ -1,7 +1,9 @@
 """BERT (model.architecture: bert, the default): its config from the recipe's fields, its training classes, and its
-terms for the memory planner and the MFU (the planner's op-by-op activations are activations.py's, written for
-Hugging Face's BertLayer)."""
+terms for the memory planner (its parameters and its activations, op by op, for Hugging Face's BertLayer) and the
+MFU."""
 from __future__ import annotations
+
+import math
 
 from transformers import BertForMaskedLM, BertForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutput
@@ -20,6 +22,11 @@ def fresh_config(model_cfg, vocab_size: int, special: dict):
                       intermediate_size=model_cfg.intermediate_size,
                       max_position_embeddings=model_cfg.max_position_embeddings,
                       pad_token_id=special.get("pad_token_id"))
+
+
+def dropouts(config) -> tuple[float, float]:
+    """A checkpoint config's (hidden, attention) dropout, as the planner counts their masks."""
+    return config.hidden_dropout_prob, config.attention_probs_dropout_prob
 
 
 def overrides(model_cfg) -> dict:
@@ -119,6 +126,55 @@ def parameters(s) -> list[tuple[int, str]]:
     else:                      # pooler, classifier
         out += [(h * h, "weight"), (h, "bias"), (s.num_labels * h, "weight"), (s.num_labels, "bias")]
     return out
+
+
+def activation_bytes(shape, work, precision: str, device: str, checkpointing: bool) -> dict[str, int]:
+    """Bytes autograd saves for backward in one forward of one micro batch of Hugging Face's BERT
+    (activations.activation_bytes' parts and precisions), op by op, measured against saved_tensors_hooks on CPU
+    (tests/test_memory.py): the embeddings, each BertLayer (its attention through activations.attention_bytes), and
+    the MLM head or the pooler and classifier (activations.head_bytes)."""
+    from ..activations import attention_bytes, attention_kernel, head_bytes
+    b, s, a, i = work.batch, work.seq, shape.heads, shape.intermediate
+    tokens, B, Bi, scores = b * s, b * s * shape.hidden, b * s * i, b * a * s * s
+    autocast, half = precision == "autocast", precision == "half"
+    e = 2 if half else 4                    # the model's dtype
+    lin = 2 if autocast else e              # linear inputs and outputs
+    res = 4 if autocast else e              # residual stream and LayerNorm inputs (fp32 + 16-bit -> fp32)
+    stat = 4 if (device == "cuda" or not half) else 2   # LayerNorm mean and rstd
+    p_h = work.hidden_dropout > 0
+    packed = work.packed_dropout(device)
+
+    def mask(elements: int, of_bytes: int, module: bool = True) -> int:
+        """A dropout mask: bool on CUDA and packed (dropout modules), torch's on CPU in the input's dtype."""
+        return elements * (1 if device == "cuda" or (packed and module) else of_bytes)
+
+    # --- embeddings: input_ids and token_type_ids (int64) for the lookups, LayerNorm, dropout
+    embeddings = 2 * tokens * 8 + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
+
+    # --- one encoder layer
+    kernel = attention_kernel(work, device)
+    qkv_in = (3 if autocast else 1) * B * lin           # autocast casts the input once per linear
+    attention, context = attention_bytes(work, device, kernel, B, scores, lin, autocast, mask)
+    layer = (qkv_in + attention + context
+             + (mask(B, lin) if p_h else 0)
+             + B * res + 2 * tokens * stat              # LayerNorm 1
+             + B * lin                                  # -> intermediate
+             + Bi * lin + Bi * lin                      # GELU input, its output -> output projection
+             + (mask(B, lin) if p_h else 0)
+             + B * res + 2 * tokens * stat)             # LayerNorm 2
+    # With padding, HF passes one bool (b, 1, s, s) mask; a fused sdpa converts it on every call into
+    # an additive mask in the query's dtype and saves that copy (the math path adds it and saves nothing).
+    if work.padded and kernel == "fused":
+        layer += b * s * (math.ceil(s / 8) * 8 if device == "cuda" else s) * lin
+
+    # --- head
+    head = head_bytes(shape, work, device, B, tokens, lin, res, stat, autocast, e, p_h, mask)
+
+    layers = shape.layers * (B * res if checkpointing else layer)
+    if checkpointing and work.padded:   # the checkpoints also keep HF's mask, an input of every layer
+        layers += b * s * s * (1 if work.attn_implementation == "sdpa" else e)
+    return {"embeddings": embeddings, "per_layer": layer, "layers": layers, "head": head,
+            "total": embeddings + layers + head, "recompute": layer if checkpointing else 0}
 
 
 def flops_per_token(config, seq_len: int, mlm_fraction: float | None) -> float:

@@ -39,6 +39,12 @@ def fresh_config(model_cfg, vocab_size: int, special: dict):
     return config
 
 
+def dropouts(config) -> tuple[float, float]:
+    """A checkpoint config's (hidden, attention) dropout, as the planner counts their masks: its MLP's and its
+    attention's (0 in a fresh one)."""
+    return config.mlp_dropout, config.attention_dropout
+
+
 def with_recipe_fields(config, model_cfg):
     """A config, fresh or a checkpoint's, with the recipe's fields that set its values on top: the attention dropout,
     the local window, which layers are global, and each layer type's RoPE base."""
@@ -156,11 +162,11 @@ def activation_bytes(shape, work, precision: str, device: str, checkpointing: bo
 
     A layer saves its pre-norms' inputs and statistics (layer 0 has no attention norm), Wqkv's input and output
     (the values are a view of it), the rotated queries and keys, the attention kernel's own (activations'
-    _attention_bytes, less the values), Wi's input and its 2 x intermediate output (GeGLU's GELU input and gate are
+    attention_bytes, less the values), Wi's input and its 2 x intermediate output (GeGLU's GELU input and gate are
     views of it), GELU's output and the gated product (Wo's input). A local layer, and every layer of a padded
     batch, hands sdpa a bool (b, 1, s, s) mask (not saved), which the fused kernel saves as an additive copy in the
     query's dtype on every call. RoPE's cos and sin: once a forward per layer type (not with checkpointing)."""
-    from ..activations import _attention_bytes, _head_bytes, attention_kernel
+    from ..activations import attention_bytes, attention_kernel, head_bytes
     b, s, a, h, i = work.batch, work.seq, shape.heads, shape.hidden, shape.intermediate
     tokens, B, Bi, scores = b * s, b * s * h, b * s * i, b * a * s * s
     autocast, half = precision == "autocast", precision == "half"
@@ -175,7 +181,7 @@ def activation_bytes(shape, work, precision: str, device: str, checkpointing: bo
 
     embeddings = tokens * 8 + B * res + 2 * tokens * stat
     kernel = attention_kernel(work, device)
-    attention, context = _attention_bytes(work, device, kernel, B, scores, lin, autocast, mask)   # BERT's kernels
+    attention, context = attention_bytes(work, device, kernel, B, scores, lin, autocast, mask)   # BERT's kernels
     if work.attn_implementation == "eager":   # q, k^T, v copied for the matmuls, the fp32 softmax (RoPE saves no q)
         p_a = work.attention_dropout > 0      # cast to the values' dtype; with dropout its mask and the dropped probs
         attention = 3 * B * lin + scores * 4 + (mask(scores, lin, module=False) + scores * lin if p_a
@@ -195,7 +201,7 @@ def activation_bytes(shape, work, precision: str, device: str, checkpointing: bo
 
     per_layer = [layer(n, local) for n, local in enumerate(shape.local)]
     shared = 0 if checkpointing else len(set(shape.local)) * 2 * s * (h // a) * res   # RoPE cos, sin a layer type
-    head = _head_bytes(shape, work, device, B, tokens, lin, res, stat, autocast, e, p_h, mask) \
+    head = head_bytes(shape, work, device, B, tokens, lin, res, stat, autocast, e, p_h, mask) \
         if shape.num_labels is None else _classifier_bytes(shape, work, device, B, lin, stat, autocast, e)
     final_norm = B * res + 2 * tokens * stat
     layers = (shape.layers * B * res if checkpointing else sum(per_layer)) + shared
