@@ -54,7 +54,7 @@ from bert_recipes.mask_rate import MaskSchedule, mask_schedule
 from bert_recipes.memory import describe_plan, predict_run
 from bert_recipes.metrics import eval_metrics, majority_baseline
 from bert_recipes.mixture import Mixture, evaluate_sources, source_mixture
-from bert_recipes.modeling import build_model, check_sequence_length, count_parameters
+from bert_recipes.models import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import (build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if,
                                 total_norm)
 from bert_recipes.preflight import preflight

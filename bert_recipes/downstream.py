@@ -66,7 +66,7 @@ def export_positions(model) -> int | None:
         return model.max_position_embeddings
     try:
         config = json.loads((Path(model.name_or_path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):   # a Hub model, or not there: modeling.check_sequence_length tells at the fine-tune
+    except (OSError, ValueError):   # a Hub model, or not there: models.check_sequence_length tells at the fine-tune
         return None
     value = config.get("max_position_embeddings") if isinstance(config, dict) else None
     return value if isinstance(value, int) else None

@@ -1,4 +1,4 @@
-"""BERT's attention and dropout as the run uses them (bert_recipes.modeling.build_model applies this).
+"""BERT's attention and dropout as the run uses them (bert_recipes.models.build_model applies this).
 
 Every BERT or ModernBERT encoder with sdpa gets the attention "bert_recipes_sdpa": transformers' sdpa, with a padding
 mask built without reading it on the host. transformers' own mask builder asks `padding_mask.all()`

@@ -181,7 +181,7 @@ def choose_micro_batch(cfg: Config, plan: LaunchPlan, world_size: int, env=os.en
     import torch
 
     from .memory import auto_micro_batch
-    from .modeling import model_config
+    from .models import model_config
     free, total = torch.cuda.mem_get_info(int(env.get("LOCAL_RANK", "0")))
     config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
     cfg.train.micro_batch_size, note = auto_micro_batch(cfg, config, plan, world_size, free, total)

@@ -122,7 +122,7 @@ def trial_model(cfg: Config, plan, device):
     recipe's optimizer over it, on `device`."""
     import dataclasses
 
-    from .modeling import build_model, model_config
+    from .models import build_model, model_config
     from .optim import build_optimizer
     config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
     model = build_model(dataclasses.replace(cfg.model, name_or_path=None), cfg.task, config=config,

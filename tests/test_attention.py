@@ -14,7 +14,7 @@ import torch
 from bert_recipes.attention import block_mask, choose_path, cu_seqlens, positions_within
 from bert_recipes.backends.plan import first_row
 from bert_recipes.config import ModelConfig, TaskConfig
-from bert_recipes.modeling import build_model, model_config
+from bert_recipes.models import build_model, model_config
 from conftest import backend_rows, launch, refused_in_process, run_in_process, tiny_args
 
 TOL = 1e-5   # fp32, dropout off: the measured gaps are about 1e-7

@@ -268,7 +268,7 @@ def test_the_automatic_micro_batch_is_the_largest_divisor_the_planner_fits(free_
     from bert_recipes.backends.plan import plan_from_config_file
     from bert_recipes.config import ConfigError
     from bert_recipes.memory import MARGIN_BYTES, MARGIN_SHARE, auto_micro_batch, predict_run
-    from bert_recipes.modeling import model_config
+    from bert_recipes.models import model_config
     cfg = load_config(REPO / "recipes/bert-base-mlm-phase1.yaml", ["train.mixed_precision=bf16"])
     config = model_config(cfg.model, cfg.task, 30522, 0)
     plan = plan_from_config_file(REPO / "accelerate_configs/8gpu.yaml")

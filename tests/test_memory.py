@@ -19,7 +19,7 @@ import torch
 
 from bert_recipes.config import ConfigError, ModelConfig, OptimConfig, TaskConfig
 from bert_recipes.activations import Shape, Workload, activation_bytes
-from bert_recipes.modeling import build_model, model_config
+from bert_recipes.models import build_model, model_config
 from bert_recipes.optim import build_optimizer
 from conftest import REPO, backend_rows, launch_script
 

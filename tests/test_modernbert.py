@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bert_recipes.config import ConfigError, ModelConfig, TaskConfig, load_config
-from bert_recipes.modeling import build_model, model_config
+from bert_recipes.models import build_model, model_config
 from conftest import assert_same_weights, launch, refused_in_process, run_in_process, tiny_args
 
 TOL = 1e-5   # fp32, no dropout (ModernBERT's): another process count sums in another order

@@ -174,7 +174,7 @@ def test_modernbert_flops_per_token_match_torch_flop_counter(window):
     from torch.utils.flop_counter import FlopCounterMode
 
     from bert_recipes.config import ModelConfig, TaskConfig
-    from bert_recipes.modeling import build_model, model_config
+    from bert_recipes.models import build_model, model_config
     seq, hidden = 32, 64
     cfg = ModelConfig(architecture="modernbert", hidden_size=hidden, num_hidden_layers=3, num_attention_heads=4,
                       intermediate_size=96, max_position_embeddings=64, local_attention=window,

@@ -58,7 +58,7 @@ def layouts(tmp_path_factory, shared_tokenizer):
 
 
 def _build(path, kind, **extra):
-    from bert_recipes.modeling import build_model, model_config
+    from bert_recipes.models import build_model, model_config
     cfg = load_config(None, [f"model.name_or_path={path}", f"task.kind={kind}"] + [f"{k}={v}" for k, v in extra.items()])
     return build_model(cfg.model, cfg.task, config=model_config(cfg.model, cfg.task, 1000, 0))
 

@@ -43,7 +43,7 @@ CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: n
 def recipe_shape(cfg) -> tuple[Shape, str | None]:
     """The model's shape: the checkpoint's config if it can be read (local directory or the Hub
     cache), else, for a Hub name, the recipe's model fields (BERT-base unless changed) with a note."""
-    from bert_recipes.modeling import model_config
+    from bert_recipes.models import model_config
     name = cfg.model.name_or_path
     try:
         config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
@@ -325,7 +325,7 @@ def measure(args, cfg) -> dict:
     from bert_recipes.backends.consistency import resolve_run
     from bert_recipes.backends.plan import launch_plan_here
     from measure import measure_states
-    from bert_recipes.modeling import build_model, model_config
+    from bert_recipes.models import build_model, model_config
     from bert_recipes.config import predictions_per_seq
     from bert_recipes.mask_rate import largest
     from bert_recipes.optim import build_optimizer

@@ -125,9 +125,9 @@ def resolve_architecture(model, task_kind: str, init_from: str | None) -> tuple[
     """model.architecture, where the recipe leaves it unset (None) the checkpoint's own, as it says: model.name_or_path's
     (its config.json's model_type), checkpoint.init_from's (the run's saved config); else bert, a fresh model's.
     A checkpoint of a model type that no architecture here builds: bert's fields for a classifier (transformers'
-    own class for it, as modeling.model_config builds it), one line for MLM. A source not readable here (a directory
+    own class for it, as models.model_config builds it), one line for MLM. A source not readable here (a directory
     not written yet, the Hub out of reach): the architecture whose fields the recipe sets, else bert, stands in, and
-    the run stops at that path in its own line (preflight.check_paths, modeling.model_config's "cannot load its
+    the run stops at that path in its own line (preflight.check_paths, models.model_config's "cannot load its
     config"). A named architecture is checked against its checkpoint's where that can be read (init_from's: by
     checkpoint.check_checkpoint_fits, a shape key). -> (the architecture, what said it: None where the recipe named
     it or nothing did)."""
