@@ -275,11 +275,12 @@ def data_record(data: DataConfig) -> dict:
 
 def data_changes(saved: dict, record: dict, since: str) -> list[str]:
     """How this run's data files (data_record) differ from those a checkpoint recorded: under each key both have, a
-    file of the checkpoint's at the same path with another size or digest, or one no longer there. A file found under
-    another path with the same size and digest is the same file (a copy on a node's own disk, a moved store); a key's
-    one file gone and one new is the same file replaced. Files only this run has are not a change: a pattern's new
-    files are left out before (corpora.resolve_into), and a list edited in the recipe is the config's own [resume]
-    line. Digests count only where both were sampled alike (SAMPLING); sizes always."""
+    file of the checkpoint's at the same path with another size or digest, or one no longer on the disk. A file found
+    under another path with the same size and digest is the same file (a copy on a node's own disk, a moved store); a
+    key's one file gone and one new is the same file replaced. A file this run no longer names that is still on the
+    disk is a list edited in the recipe (another file named on purpose), the config's own [resume] line; files only
+    this run has are not a change either (a pattern's new files are left out before: corpora.resolve_into). Digests
+    count only where both were sampled alike (SAMPLING); sizes always."""
     alike = saved.get("sampling") == record.get("sampling")
 
     def differ(a: list, b: list) -> str | None:   # [path, size, digest] twice -> what changed, or None
@@ -295,14 +296,12 @@ def data_changes(saved: dict, record: dict, since: str) -> list[str]:
         changes += [f"{key}: {e[0]} changed since {since} ({differ(e, now[e[0]])})" for e in before
                     if e[0] in now and differ(e, now[e[0]])]
         new = [entry for path, entry in now.items() if path not in {e[0] for e in before}]
-        gone = [e for e in before if e[0] not in now and all(differ(e, n) for n in new)]
+        gone = [e for e in before if e[0] not in now and not Path(e[0]).exists() and all(differ(e, n) for n in new)]
         if len(gone) == 1 and len(new) == 1:   # one file in the other's place (a store prepared again elsewhere)
             changes.append(f"{key}: {gone[0][0]} changed since {since}: this run reads {new[0][0]} in its place "
                            f"({differ(gone[0], new[0])})")
             continue
-        changes += [f"{key}: {path} is gone since {since} ("
-                    f"{'no longer among the files it names' if Path(path).exists() else 'no such file now'})"
-                    for path, *_ in gone]
+        changes += [f"{key}: {path} is gone since {since} (no such file now)" for path, *_ in gone]
     return changes
 
 

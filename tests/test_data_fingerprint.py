@@ -52,8 +52,10 @@ def test_a_sampled_block_changes_the_digest_and_a_touch_does_not(tmp_path):
 
 
 def test_a_copy_elsewhere_is_the_same_file_and_a_lost_one_is_named(tmp_path):
-    """data_changes: the same bytes under another path (a node's own copy, a moved store) is no change; one file in
-    another's place is named with both; a file gone is named; a list the run no longer reads is the config's."""
+    """data_changes: the same bytes under another path (a node's own copy, a moved store) is no change; another file
+    named while the first is still on the disk is a list edited on purpose (the config's own line); one file gone
+    from the disk with another in its place is named with both; a file gone is named; a list the run no longer
+    reads is the config's."""
     for name, text in (("a.txt", "alpha\n"), ("b.txt", "beta\n"), ("c.txt", "gamma gamma\n")):
         (tmp_path / name).write_text(text)
     a, b, c = (str(tmp_path / n) for n in ("a.txt", "b.txt", "c.txt"))
@@ -62,10 +64,11 @@ def test_a_copy_elsewhere_is_the_same_file_and_a_lost_one_is_named(tmp_path):
     shutil.copy(a, tmp_path / "copy.txt")
     moved = record(**{"data.train_files": [str(tmp_path / "copy.txt"), b]})
     assert data_changes(saved, moved, "step_00000004") == []
+    assert data_changes(saved, record(**{"data.train_files": [c, b]}), "step_00000004") == []   # named on purpose
+    os.remove(a)
     replaced = data_changes(saved, record(**{"data.train_files": [c, b]}), "step_00000004")
     assert replaced == [f"data.train_files: {a} changed since step_00000004: this run reads {c} in its place "
                         "(size 6 -> 12 bytes)"]
-    os.remove(a)
     assert data_changes(saved, record(**{"data.train_files": [b]}), "step_00000004") == [
         f"data.train_files: {a} is gone since step_00000004 (no such file now)"]
     other = {"sampling": "another sampling", "files": saved["files"]}   # digests of another sampling: sizes only

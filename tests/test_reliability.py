@@ -161,7 +161,9 @@ def test_ctrl_c_is_one_line_and_the_same_command_runs_again(tmp_path, sample_dir
     import subprocess
     import sys
     out = tmp_path / "run"
-    args = [f"--{a}" for a in tiny_args(out, sample_dir, tmp_path / "cache", **{"train.max_steps": 12})]
+    # datasets' bars on (logging.progress_bar): its "Generating train split" says it is writing a new cache
+    args = [f"--{a}" for a in tiny_args(out, sample_dir, tmp_path / "cache", **{"train.max_steps": 12,
+                                                                               "logging.progress_bar": True})]
     code, log = _interrupt(args, "Generating train split")   # datasets is writing a new cache
     said = [line for line in log.splitlines() if line.startswith("interrupted at")]
     assert code == 130 and said == ["interrupted at data preparation; rerun the same command"], log[-3000:]

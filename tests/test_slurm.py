@@ -257,7 +257,8 @@ def test_node_killed_requeued_on_the_node_left(cluster, tmp_path, sample_dir, sh
     (SlurmdTimeout=10) and requeues the job, which runs on n1 alone and resumes on 2 processes instead of 4. Two
     processes per node, each node its own data cache: each node's first rank prepared it, once."""
     job, took = lose_node(cluster, tmp_path, sample_dir, shared_tokenizer, slurm_cluster.kill_node, 2,
-                          **{"train.max_steps": 40, "train.micro_batch_size": 4})   # not over before n2 is lost
+                          **{"train.max_steps": 40, "train.micro_batch_size": 4,   # not over before n2 is lost
+                             "logging.progress_bar": True})   # datasets' "tokenizing" bar says who tokenized
     try:
         assert took < 60, took   # the node's loss, seen by the controller (10 s), then KillWait (5 s): a wide margin
         info = job.done()
