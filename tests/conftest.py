@@ -204,11 +204,12 @@ def _clear_stale_build_locks(grace_s: float = 120.0) -> None:
     busy = set()
     for proc in psutil.process_iter():
         try:
-            busy.add(Path(proc.cwd()))
+            busy.add(Path(proc.cwd()).resolve())
         except (psutil.Error, OSError):
             continue
-    for lock in locks:
-        if not any(lock.parent == cwd or lock.parent in cwd.parents for cwd in busy):
+    for lock in locks:   # resolved: under a symlinked .venv the lock's path and ninja's cwd differ in spelling only
+        where = lock.parent.resolve()
+        if not any(where == cwd or where in cwd.parents for cwd in busy):
             lock.unlink(missing_ok=True)
             print(f"[conftest] removed a stale build lock, {lock} (no build works there): "
                   f"DeepSpeed builds {lock.parent.name} again", file=sys.stderr)
