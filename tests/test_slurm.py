@@ -102,8 +102,8 @@ class Job:
                                check=False).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
+    def log(self) -> str:   # a node killed mid-write can cut a progress bar's multi-byte character in two
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def wait(self, what: str, ok, timeout: float = 180) -> float:
         """Polls until ok(self) is true; the seconds it took. A timeout says what was awaited, with the log's end."""
