@@ -21,17 +21,12 @@ from .backends.consistency import check_trackers, resolve_run
 from .backends.plan import LaunchPlan, _true, decide_on_gpu, plan_from_config_file
 from .checkpoint import check_checkpoint_fits, check_resume_path, resumed_checkpoint
 from .downstream import check_downstream
-from .config import (PATH_KEYS, CheckpointConfig, Config, ConfigError, DataConfig, TaskConfig, check_mask_rate, padded_batches,
-                     parse_train_args, path_kind, resolve, to_yaml, validate)
+from .config import (PATH_KEYS, CheckpointConfig, Config, ConfigError, DataConfig, TaskConfig, check_mask_rate, looks_local,
+                     padded_batches, parse_train_args, path_kind, resolve, to_yaml, validate)
 from .corpora import FILE_KEYS, resolve_into
 from .places import check_path_names, check_writable_dir, unwritable_default
 from .run_dir import check_output_dir
 from .sources import check_prepared_dir
-
-
-def looks_local(name: str) -> bool:
-    """A model or tokenizer name that can only be a directory: a Hub id is `name` or `org/name`."""
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
 def path_values(cfg: Config, kinds: tuple[str, ...]) -> list[tuple[str, object]]:

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.readers import looks_local
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -58,7 +60,7 @@ def of_checkpoint(name_or_path: str) -> str:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         path = path / "config.json"
-    elif name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1:   # preflight.looks_local
+    elif looks_local(name_or_path):
         raise FileNotFoundError(f"no such directory: {name_or_path}")
     else:
         from huggingface_hub import hf_hub_download

@@ -11,8 +11,8 @@ A file per role, and every name importable from here (`from bert_recipes.config 
   `ConfigError`. It imports nothing else of bert_recipes, so any module can import it.
 """
 from .loading import _coerce, _field_type, _hints, _merge, flat_dict, load_config, parse_train_args, set_key, to_dict, to_yaml
-from .readers import (ConfigError, _yaml_twice, first_line, json_twice, load_json, load_yaml, nearest_existing, path_kind,
-                      read_text, yaml_problem)
+from .readers import (ConfigError, _yaml_twice, first_line, json_twice, load_json, load_yaml, looks_local, nearest_existing,
+                      path_kind, read_text, yaml_problem)
 from .rules import (PATH_KEYS, check_mask_rate, documents_attend_apart, grad_accum_steps, optimizer_steps, packed_dropout_here,
                     padded_batches, predictions_per_seq, repeating_shapes, resolve, schedule_warnings, validate)
 from .schema import (_RANGES, POSITIVE, CheckpointConfig, Config, DataConfig, LoggingConfig, MixtureSource, ModelConfig, OptimConfig,

@@ -4,6 +4,7 @@ of bert_recipes, so any module may import it without an import circle.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -118,6 +119,11 @@ def nearest_existing(path: str | Path) -> Path:
     """`path`, or its nearest parent that exists (where a run would create it), absolute."""
     return next(p for p in [Path(path).expanduser().absolute(), *Path(path).expanduser().absolute().parents]
                 if p.exists())
+
+
+def looks_local(name: str) -> bool:
+    """A model, tokenizer or dataset name that can only be a directory: a Hub id is `name` or `org/name`."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
 def path_kind(path: str | Path, key: str) -> str:

@@ -74,7 +74,7 @@ def schedule_warnings(cfg: Config, total_steps: int, slots: bool = True) -> list
 
 # The keys that name paths (and train.py's --recipe), and what the run does with each: bert_recipes.preflight
 # checks every one before a rank starts; the generated bad-input matrix tries a path of each wrong kind.
-# "read dir or hub": a local directory, or a Hub id where the value cannot be a path (preflight.looks_local).
+# "read dir or hub": a local directory, or a Hub id where the value cannot be a path (config.looks_local).
 PATH_KEYS = {
     "recipe": "read file",
     "run.output_dir": "write dir",
