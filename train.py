@@ -52,17 +52,17 @@ from bert_recipes.phases import init_line
 from bert_recipes.logs import Trackers, plot_curves, write_metrics
 from bert_recipes.mask_rate import MaskSchedule, mask_schedule
 from bert_recipes.memory import describe_plan, predict_run
-from bert_recipes.metrics import eval_metrics, majority_baseline
-from bert_recipes.mixture import Mixture, evaluate_sources, source_mixture
+from bert_recipes.mixture import Mixture, source_mixture
 from bert_recipes.models import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import (build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if,
                                 total_norm)
 from bert_recipes.preflight import preflight
 from bert_recipes.ranks import all_sum, broadcast, on_any_rank, on_nodes, on_rank0, print0
-from bert_recipes.results import extra_evaluations, keep_best, restore_best, write_predictions
+from bert_recipes.results import evaluate_sources, extra_evaluations, keep_best, restore_best, write_predictions
 from bert_recipes.run_dir import check_shared_output_dir, holding_output_dir, start_writing
 from bert_recipes.signals import INTERRUPTION, Preemption, StopAgreement
 from bert_recipes.sync_audit import SyncAudit
+from bert_recipes.tasks import kind_of
 from bert_recipes.throughput import (DataLoaderWatch, Throughput, mfu_terms, profile_table, rank_extremes,
                                      start_profiler, train_line)
 from bert_recipes.trial import confirm_micro_batch
@@ -166,9 +166,7 @@ def main(cfg: Config) -> dict:
         # -------------------------------------------------------------------- prepare
         engine.prepare(module, optimizer, scheduler, data, collate, mixture)
         backend, memory_plan, flops_token, peak = describe_run(cfg, plan, engine, model_config)
-        baseline = None
-        if cfg.task.kind == "classification" and cfg.task.num_labels > 1:
-            baseline = majority_baseline(data["train"]["labels"], data["eval"]["labels"])
+        baseline = kind_of(cfg.task.kind).baseline(cfg.task, data)
         run = Run(cfg=cfg, engine=engine, output_dir=output_dir, config_yaml=config_yaml, tokenizer=tokenizer,
                   collate=collate, eval_dataset_size=len(data["eval"]), steps_per_epoch=steps_per_epoch,
                   total_steps=total_steps, stop_at=min(total_steps, cfg.train.halt_at_step or total_steps),
@@ -266,8 +264,7 @@ def schedule(cfg: Config, plan, engine: Engine, collate, train_sequences: int) -
            f"{cfg.train.global_batch_size}-sequence steps), peak lr {cfg.optim.lr}, "
            f"{describe_decay(cfg.optim, total_steps)}")
     masking = mask_schedule(cfg.data, cfg.task.kind, cfg.train.compile, total_steps)
-    if cfg.task.kind == "mlm":
-        collate.follow(masking)
+    collate.follow(masking)
     lines = [stream.line(cfg.data.max_seq_length, engine.replicas), masking.line()]
     for line in [*lines, *schedule_warnings(cfg, total_steps, slots=not plan.pipeline)]:
         if line:
@@ -455,7 +452,8 @@ def run_eval(run: Run) -> dict:
     """Evaluate now (data.mixture: each source, and all together); keep the state apart when
     checkpoint.metric_for_best improved."""
     engine, task = run.engine, run.cfg.task
-    found = evaluate_sources(task, engine, run.data, run.mixture) if run.mixture else eval_metrics(task, engine.evaluate())
+    found = (evaluate_sources(task, engine, run.data, run.mixture) if run.mixture else
+             kind_of(task.kind).metrics(task, engine.evaluate()))
     metrics = {"step": run.state["step"], **found}
     run.state["history"]["eval"].append(metrics)
     run.trackers.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, metrics["step"])

@@ -26,8 +26,11 @@ class Shape:
 
     @classmethod
     def from_config(cls, config, task_kind: str) -> "Shape":
+        """The shape of a model config trained for a task kind: a masked-LM kind's vocabulary head (num_labels None),
+        else a head of config.num_labels outputs (bert_recipes/tasks/: the row's masked_lm)."""
         from .architectures import module, of_config
-        return module(of_config(config)).shape(cls, config, None if task_kind == "mlm" else config.num_labels)
+        from .tasks import TASKS
+        return module(of_config(config)).shape(cls, config, None if TASKS[task_kind].masked_lm else config.num_labels)
 
     def _architecture(self):
         from .architectures import module

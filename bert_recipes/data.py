@@ -1,17 +1,17 @@
-"""A run's data, end to end: raw text (bert_recipes/sources.py) -> tokenizer -> tokenized splits
-(tokenizing.py) -> collator (collate.py); rank 0 goes first (ranks.main_first); batching.py makes the batches."""
+"""A run's data, end to end: raw text (bert_recipes/sources.py) -> tokenizer -> tokenized splits -> collator, the
+task kind's own (bert_recipes/tasks/<kind>.py: its tokenize and collator); rank 0 goes first (ranks.main_first);
+batching.py makes the batches."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .collate import ClassificationCollator, MLMCollator
 from .config import DataConfig, TaskConfig, TokenizerConfig
 from .disk import full_disk_is_one_line, fullest
 from .mixture import joined_sources
 from .places import make_place
 from .ranks import main_first
 from .sources import get_tokenizer, load_prepared, load_raw
-from .tokenizing import label_mapping, missing_classes, tokenize
+from .tasks import kind_of
 
 
 def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, model_name_or_path: str | None,
@@ -21,13 +21,12 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     The data, task and tokenizer sections meet here, with the model's name (its tokenizer) and the seed
     (the split and the masks). Rank 0 goes first (download, tokenize, cache); `barrier` lets the others
     follow; on several nodes each node's first rank goes next, for a node-local cache (ranks.on_nodes). Prepared
-    data (data.source: prepared) is memory-mapped as `make prepare` wrote it. Text labels
-    without task.label_names: their sorted order is written into `task.label_names`, so the resolved config
-    and the export's id2label name them."""
+    data (data.source: prepared) is memory-mapped as `make prepare` wrote it. The task kind's tokenize may
+    write what it learnt of the labels into `task` (classification: task.label_names)."""
     from datasets import DatasetDict
     if data_cfg.source == "prepared":
         tokenizer, data, test_index = load_prepared(data_cfg, task, tok, model_name_or_path)
-        return tokenizer, data, make_collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
+        return tokenizer, data, kind_of(task.kind).collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
     cache = data_cache(data_cfg)
     if is_main:   # the places the user named: an OSError creating one is one line naming the key
         for key, place in (("data.cache_dir", data_cfg.cache_dir),
@@ -46,19 +45,15 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
         raw = DatasetDict({k: v for k, v in raw.items() if "@" in k})
     with main_first(*first), full_disk_is_one_line(
             "the tokenized data cache", cache, 0, lambda: tokenized_bytes(raw, data_cfg.max_seq_length), DATA_THEN):
-        data = tokenize(raw, tokenizer, task, data_cfg, task.label_names)
+        data = kind_of(task.kind).tokenize(raw, tokenizer, task, data_cfg)
     if data_cfg.mixture:
         data = joined_sources(data, [s.name for s in data_cfg.mixture])
-    if task.kind == "classification" and task.label_names is None:
-        mapping = label_mapping(raw, task, data_cfg, None)
-        if mapping is not None:
-            task.label_names = list(mapping)
-    for warning in missing_classes(data, task) if is_main and task.kind == "classification" else []:
-        print(warning, flush=True)
+    for line in kind_of(task.kind).notes(data, task) if is_main else []:
+        print(line, flush=True)
     # a test split's own example ids (GLUE's `idx`, which a submission file must repeat), else row numbers
     test_index = {k.removeprefix("test:"): list(raw[k]["idx"]) if "idx" in raw[k].column_names else list(range(len(raw[k])))
                   for k in raw if k.startswith("test:")}
-    return tokenizer, data, make_collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
+    return tokenizer, data, kind_of(task.kind).collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
 
 
 def data_progress_bars(enabled: bool) -> None:
@@ -86,12 +81,3 @@ def tokenized_bytes(raw, max_seq_length: int) -> tuple[int, str]:
     columns (input ids, token types, attention mask)."""
     rows = sum(len(split) for split in raw.values())
     return rows * max_seq_length * 12, f"an estimate: {rows} rows x {max_seq_length} tokens x 3 int32 columns"
-
-
-def make_collator(data: DataConfig, task: TaskConfig, seed: int, tokenizer, fixed_length: int | None):
-    if task.kind == "mlm":
-        # the pipeline (fixed_length) computes every position's logits: the same tokens are chosen, no positions
-        return MLMCollator(tokenizer, data.mlm_probability, seed, fixed_length=fixed_length,
-                           whole_word=data.whole_word_masking, max_predictions=data.max_predictions_per_seq,
-                           positions=fixed_length is None)
-    return ClassificationCollator(tokenizer, fixed_length=fixed_length)

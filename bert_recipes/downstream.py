@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from .config import Config, ConfigError, path_kind
+from .tasks import TASKS, reported_metrics
 
 DIR = "downstream"
 SCORE_FILE = "score.json"
@@ -25,7 +26,7 @@ def check_downstream(recipe: str | None, task_kind: str, model) -> None:
     anything else, at the run's start rather than at make downstream's."""
     if recipe is None:
         return
-    if task_kind != "mlm":
+    if not TASKS[task_kind].masked_lm:
         raise ConfigError(f"checkpoint.downstream={recipe} scores a pretraining's checkpoints, and task.kind="
                           f"{task_kind}: remove it")
     kind = path_kind(recipe, "checkpoint.downstream")
@@ -35,7 +36,7 @@ def check_downstream(recipe: str | None, task_kind: str, model) -> None:
     from .architectures import ARCHITECTURES, foreign_field
     from .config import load_config
     fine_tune = load_config(recipe, [])
-    if fine_tune.task.kind != "classification":
+    if TASKS[fine_tune.task.kind].masked_lm:
         raise ConfigError(f"checkpoint.downstream={recipe} is a task.kind={fine_tune.task.kind} recipe: give a "
                           "fine-tuning (classification) recipe, e.g. recipes/tiny-classify.yaml")
     # its fine-tunes start from this run's exports (tools/downstream.py: --model.name_or_path=<export>)
@@ -74,9 +75,7 @@ def export_positions(model) -> int | None:
 
 def score_metric(fine_tune) -> str:
     """The fine-tune's number that scores a checkpoint: its checkpoint.metric_for_best, else its first metric."""
-    from .metrics import default_metrics
-    task = fine_tune.task
-    return fine_tune.checkpoint.metric_for_best or (task.metrics or default_metrics(task.num_labels))[0]
+    return fine_tune.checkpoint.metric_for_best or reported_metrics(fine_tune.task)[0]
 
 
 def export_for_downstream(engine, output_dir: Path, step: int, tokenizer, config_yaml: str, export_bytes: int,

@@ -3,7 +3,7 @@
 Every BERT or ModernBERT encoder with sdpa gets the attention "bert_recipes_sdpa": transformers' sdpa, with a padding
 mask built without reading it on the host. transformers' own mask builder asks `padding_mask.all()`
 before each forward (to skip an all-ones mask), which makes the host wait for the GPU; here a batch
-without padding comes without an attention_mask (packed MLM: data.MLMCollator) and gets no mask, and a
+without padding comes without an attention_mask (packed MLM: tasks/mlm.MLMCollator) and gets no mask, and a
 padded one gets its mask built unconditionally.
 
 model.dropout_impl: packed (CPU only, an opt-in): dropout masks with cheap random bits. torch's CPU

@@ -25,11 +25,11 @@ from .config import DataConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import write_export
 from .metrics import joined_rows
 from .mixture import MixedOrder
-from .modeling import batch_rows, predictions
 from .optim import build_scheduler, resume_schedule
 from .phases import carry_over
 from .throughput import peak_memory_gb
 from .ranks import all_sum, barrier, broadcast, control_group, print0, slow_barrier
+from .tasks import kind_of
 
 
 def build_engine(plan: LaunchPlan, output_dir: Path, *, train: TrainConfig, data: DataConfig, optim: OptimConfig,
@@ -65,6 +65,7 @@ class AccelerateEngine:
                  optim: OptimConfig, task: TaskConfig, seed: int):
         self.plan, self.name = plan, plan.name
         self.train_cfg, self.data_cfg, self.optim_cfg, self.task, self.seed = train, data, optim, task, seed
+        self.kind = kind_of(task.kind)   # the task contract: evaluation's rows, predictions
         self.accum, self.on_gpu = plan.accum, plan.on_gpu   # resolved once (backends.consistency.resolve_run)
         self.accelerator = build_accelerator(plan, output_dir, train=train, optim=optim, pin_memory=data.pin_memory)
         kernels = set_kernels(plan)
@@ -197,7 +198,7 @@ class AccelerateEngine:
         with eager_under_compile(self.train_cfg.compile):
             for batch in self._loader(dataset):
                 batch.pop("labels", None)
-                p = predictions(self.task, self.model(**batch).logits)
+                p = self.kind.predictions(self.task, self.model(**batch).logits)
                 preds.append(self.accelerator.gather_for_metrics(p).cpu())
         self.model.train()
         return torch.cat(preds).numpy()
@@ -205,12 +206,12 @@ class AccelerateEngine:
     @torch.no_grad()
     def evaluate(self, dataset=None) -> dict:
         """Every eval sample once: gather_for_metrics drops the duplicates that even batching adds
-        to the last batch. -> rows for metrics.eval_metrics. dataset: another labelled split."""
+        to the last batch. -> rows for the task's metrics. dataset: another labelled split."""
         self.model.eval()
         parts = []
         with eager_under_compile(self.train_cfg.compile):
             for batch in (self.eval_loader if dataset is None else self._loader(dataset)):
-                found = batch_rows(self.task, self.model(**batch).logits, batch["labels"],
+                found = self.kind.eval_rows(self.task, self.model(**batch).logits, batch["labels"],
                                    batch.get("masked_positions"))
                 gathered = self.accelerator.gather_for_metrics(tuple(found.values()))
                 parts.append({key: value.cpu() for key, value in zip(found, gathered)})

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .config import CheckpointConfig
+from .config import CheckpointConfig, TaskConfig
 from .disk import disk_full
 from .ranks import print0, written_by_all
+from .tasks import TASKS, kind_of
 
 
 def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state_dict: dict | None = None,
@@ -103,12 +104,11 @@ def model_card(recipe: dict, final: dict, backend: dict, tokens_seen: int) -> st
             "predicted_peak_memory_gb", "skipped_steps"}
     metrics = "\n".join(f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |"
                          for k, v in final.items() if k not in skip and isinstance(v, (int, float)))
-    mlm = job["kind"] == "mlm"
-    task = ("masked-language-model pretraining" if mlm else
-            "regression" if job["num_labels"] == 1 else f"sequence classification, {job['num_labels']} labels")
+    kind = kind_of(job["kind"])
+    task = kind.card_task(TaskConfig(**job))
     return f"""---
 library_name: transformers
-tags: [bert, bert-recipes, {"fill-mask" if mlm else "text-classification"}]
+tags: [bert, bert-recipes, {TASKS[job["kind"]].pipeline_tag}]
 ---
 # {recipe["run"]["name"]}
 

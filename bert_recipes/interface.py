@@ -1,5 +1,5 @@
-"""The engine contracts: everything train.py (and results.py, checkpoint.py, export.py) asks of an engine, in one
-place. Two engines satisfy `Engine`: `engine.AccelerateEngine` (DDP, ZeRO-1/2/3 with offload, FSDP2) and
+"""The contracts: everything train.py (and results.py, checkpoint.py, export.py) asks of an engine, and of a task
+kind (`Task`, at the end), in one place. Two engines satisfy `Engine`: `engine.AccelerateEngine` (DDP, ZeRO-1/2/3 with offload, FSDP2) and
 `backends.pipeline.PipelineEngine` (DeepSpeed's pipeline). train.py's loop names no backend.
 
 Call order: build (starts the process group) -> wrap -> prepare -> describe -> [load] ->
@@ -69,7 +69,7 @@ class Engine(Protocol):
 
     def evaluate(self, dataset=None) -> dict:
         """Per-sample rows over the eval split (or `dataset`), every sample once, on every rank:
-        metrics.eval_metrics' input."""
+        the task kind's metrics' input (tasks/<kind>.py)."""
 
     def predict(self, dataset) -> Any:
         """The prediction of every row of `dataset`, in order (numpy): class ids or values."""
@@ -114,3 +114,63 @@ class PipelineStep(Protocol):
     micro batches through its stages, clips, steps and schedules (backends/pipeline.py: train_batch)."""
     plan: Any                   # plan.pipeline: this branch
     engine: Any                 # deepspeed's PipelineEngine: train_batch, get_global_grad_norm, was_step_applied
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A task kind: the module bert_recipes/tasks/<kind>.py (tasks.kind_of(task.kind)), its functions taking the
+    task section (`task`) and what they read. train.py, the data, the model builder and the engines call these and
+    never test task.kind; what config validation needs of a kind is its row's data (tasks.TASKS). A kind whose row
+    has test_predictions also gives `TestPredictions`. tests/test_interface.py checks every row's module against
+    both, parameter by parameter."""
+
+    # ------------------------------------------------------------ data
+    def tokenize(self, raw, tokenizer, task, data):
+        """Raw splits (sources.load_raw's DatasetDict) -> the model inputs of each split (a DatasetDict), cached by
+        fingerprint (tokenizing.map_splits); it may write what it learnt into `task` (classification's label
+        names)."""
+
+    def notes(self, tokenized, task) -> list[str]:
+        """Lines about the tokenized data worth a user's eye (rank 0 prints them)."""
+
+    def collator(self, data, task, seed: int, tokenizer, fixed_length):
+        """The run's collator: __call__(rows) -> a batch of tensors; `epoch`, `bins`, `unpad`, `attention_path`
+        (the engine sets them); `evaluation_copy()`; `follow(schedule)` (a masking rate's levels)."""
+
+    # ------------------------------------------------------------ the model
+    def config_fields(self, task) -> dict:
+        """What the task sets in the model's config (labels)."""
+
+    def head(self, arch):
+        """The model class trained for this kind on an architecture's file (bert_recipes/architectures/<name>.py),
+        or for arch None (a checkpoint of a model type no architecture here builds) transformers' own, or None."""
+
+    def loss(self, task):
+        """loss(logits, labels) over a batch, as the pipeline's last stage computes it."""
+
+    def trial_labels(self, task, ids, rate: float, k, g) -> dict:
+        """A trial batch's labels for `ids` (trial.trial_batch), drawn from the generator `g`."""
+
+    # ------------------------------------------------------------ evaluation
+    def eval_rows(self, task, logits, labels, masked_positions=None) -> dict:
+        """One evaluation batch's per-sample rows (device tensors), the same for every engine."""
+
+    def metrics(self, task, rows: dict) -> dict:
+        """The evaluation's metrics from every rank's rows (metrics.joined_rows), each sample once."""
+
+    def baseline(self, task, data):
+        """A score any model beats (final metrics), or None."""
+
+    def card_task(self, task) -> str:
+        """The model card's task line."""
+
+
+@runtime_checkable
+class TestPredictions(Protocol):
+    """What a kind with test predictions (its row's test_predictions: data.test_splits) also gives."""
+
+    def predictions(self, task, logits):
+        """A batch's predictions from its logits (engine.predict)."""
+
+    def prediction_text(self, task, preds) -> list[str]:
+        """A split's predictions as its submission file writes them (results.write_predictions)."""

@@ -2,12 +2,13 @@
 each with its K (data.max_predictions_per_seq scaled by the rate), and the rate evaluation masks at
 (data.eval_mlm_probability). Which level a step is in is a function of (step, total steps) only, so a resume, on
 any process count, masks every batch as the uninterrupted run did; the loop starts a new iterator at each level's
-first step (train.py), and the collator reads the level from shared memory (collate.MLMCollator.level)."""
+first step (train.py), and the collator reads the level from shared memory (tasks/mlm.MLMCollator.level)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .config import DataConfig
+from .tasks import TASKS
 
 MAX_LEVELS = 8   # dynamo's recompile limit: train.compile compiles each K (a shape) once
 
@@ -47,7 +48,7 @@ def mask_schedule(data: DataConfig, kind: str, compile: bool, total_steps: int) 
     evenly spaced in rate and in steps; K follows the rate (round(K x rate / data.mlm_probability), at least 1)."""
     d = data
     start, end = d.mlm_probability, d.mlm_probability_end
-    count = 1 if end is None or end == start or kind != "mlm" else min(levels_allowed(d, compile), total_steps)
+    count = 1 if end is None or end == start or not TASKS[kind].masked_lm else min(levels_allowed(d, compile), total_steps)
     rates = [start] if count == 1 else [round(start + (end - start) * i / (count - 1), 6) for i in range(count)]
     starts = tuple(round(i * total_steps / count) for i in range(count))
     levels = tuple((rate, k_at(d.max_predictions_per_seq, start, rate)) for rate in rates)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .activations import Shape, Workload, activation_bytes
+from .tasks import TASKS
 
 if TYPE_CHECKING:
     from .config import Config
@@ -287,7 +288,7 @@ def workload_of(cfg: Config, config=None, micro_batch: int | None = None, masked
     return Workload(batch=batch, seq=cfg.data.max_seq_length, static_head=k is not None,
                     hidden_dropout=hidden, attention_dropout=attention, attn_implementation=m.attn_implementation,
                     sparse_head=m.sparse_mlm_head, masked_tokens=masked_tokens,
-                    mlm_probability=rate, padded=cfg.task.kind == "classification",
+                    mlm_probability=rate, padded=not TASKS[cfg.task.kind].masked_lm,
                     dropout_impl=m.dropout_impl, compile=cfg.train.compile)
 
 

@@ -206,15 +206,3 @@ def source_mixture(data_cfg, data, seed: int, read: int) -> Mixture | None:
     return Mixture(names=tuple(names), weights=tuple(s.weight for s in data_cfg.mixture),
                    sizes=tuple(len(x) for x in lengths), eval_sizes=tuple(len(data[f"eval@{n}"]) for n in names),
                    tokens=tuple(sum(x) / len(x) for x in lengths), seed=seed, read=read)
-
-
-def evaluate_sources(task, engine, data, mixture: Mixture) -> dict:
-    """Each source's evaluation rows on their own, and all of them together: the overall metrics, and each source's
-    as <name>/<metric>. Every row is evaluated once."""
-    from .metrics import eval_metrics
-    rows = {name: engine.evaluate(data[f"eval@{name}"]) for name in mixture.names}
-    joined = {key: np.concatenate([r[key] for r in rows.values()]) for key in next(iter(rows.values()))}
-    out = eval_metrics(task, joined)
-    for name, r in rows.items():
-        out.update({f"{name}/{k}": v for k, v in eval_metrics(task, r).items()})
-    return out

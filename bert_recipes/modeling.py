@@ -1,7 +1,7 @@
 """What every architecture's classes share (bert_recipes/architectures/<name>.py imports it): the recipe's MLM
-forward (RecipeMaskedLM: sparse head, static slots, documents apart) and its losses, a classifier's loss, an
-evaluation batch's rows, the export's class name in config.json, the document attention's arguments and the
-tokenizer's special ids. Building a model for an architecture is bert_recipes/models.py's, above the architectures."""
+forward (RecipeMaskedLM: sparse head, static slots, documents apart) and its losses, a classifier's loss, the
+export's class name in config.json, the document attention's arguments and the tokenizer's special ids (what a task
+does with them: bert_recipes/tasks/<kind>.py). Building a model for an architecture is bert_recipes/models.py's, above the architectures."""
 from __future__ import annotations
 
 import json
@@ -38,27 +38,11 @@ def per_sample_mlm_loss(logits, labels):
 
 
 def slot_labels(labels, masked_positions):
-    """The labels of the K position slots (data.MLMCollator): the chosen tokens' labels, then -100 for
+    """The labels of the K position slots (tasks/mlm.MLMCollator): the chosen tokens' labels, then -100 for
     the unused slots (which point at position 0, possibly a chosen token: counted once, not twice)."""
     used = torch.arange(masked_positions.size(1), device=labels.device) < (labels != -100).sum(1, keepdim=True)
     return labels.gather(1, masked_positions).masked_fill(~used, -100)
 
-
-def predictions(task, logits):
-    """Class ids, or the value of a regression (num_labels 1), from a batch's logits."""
-    return logits.squeeze(-1).float() if task.num_labels == 1 else logits.argmax(-1)
-
-
-def batch_rows(task, logits, labels, masked_positions=None) -> dict:
-    """One evaluation batch's per-sample rows (device tensors), the same for every engine: the MLM
-    loss sum, labelled tokens and hits of each sample; or predictions and references.
-    masked_positions: the static head's K slots (its logits have one row per slot)."""
-    if task.kind == "mlm":
-        if masked_positions is not None:
-            labels = slot_labels(labels, masked_positions)
-        sums, counts, correct = per_sample_mlm_loss(logits, labels)
-        return {"loss_sums": sums, "token_counts": counts, "correct": correct}
-    return {"preds": predictions(task, logits), "refs": labels}
 
 class RecipeMaskedLM:
     """The forward of every recipe MLM class (an architecture's file mixes it into transformers' class and gives

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .config import ConfigError, ModelConfig, TaskConfig, first_line
 from .modeling import special_token_ids
+from .tasks import kind_of
 
 
 def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_token_id: int | None,
@@ -18,13 +19,7 @@ def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_
 
     from .architectures import ARCHITECTURES, module, of_model_type
     arch = module(model_cfg.architecture)
-    labels = {}
-    if task.kind == "classification":
-        labels["num_labels"] = task.num_labels
-        labels["problem_type"] = "regression" if task.num_labels == 1 else "single_label_classification"
-        if task.label_names:
-            labels["id2label"] = dict(enumerate(task.label_names))
-            labels["label2id"] = {n: i for i, n in enumerate(task.label_names)}
+    labels = kind_of(task.kind).config_fields(task)
     if model_cfg.name_or_path:
         try:
             config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code,
@@ -34,9 +29,9 @@ def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_
                               f"({first_line(err)}); give a Hugging Face model directory or a Hub name") from None
         built_here = of_model_type(config.model_type)
         named = model_cfg.architecture or built_here or "bert"   # None (no config.validate resolved it): the checkpoint's
-        if built_here != named and (task.kind == "mlm" or built_here is not None):
+        if built_here != named and (kind_of(task.kind).head(None) is None or built_here is not None):
             fix = (f"set model.architecture={built_here}" if built_here else
-                   f"mlm pretraining here builds {', '.join(ARCHITECTURES)}")
+                   f"task.kind={task.kind} here builds {', '.join(ARCHITECTURES)}")
             raise ConfigError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model and "
                               f"model.architecture={named}: {fix}")
         # a classifier from another model type (roberta, ...): BERT's dropout fields, which such configs share
@@ -68,13 +63,10 @@ def load_pretrained(model_cfg: ModelConfig, task: TaskConfig, config):
     import contextlib
     import io
 
-    from transformers import AutoModelForSequenceClassification
-
     from .architectures import ARCHITECTURES, module, of_model_type
     name, built_here = model_cfg.name_or_path, of_model_type(config.model_type)
     arch = module(built_here or "bert")
-    auto = (arch.MASKED_LM if task.kind == "mlm" else arch.SEQUENCE_CLASSIFICATION if built_here
-            else AutoModelForSequenceClassification)
+    auto = kind_of(task.kind).head(arch if built_here else None)   # model_config refused a kind with none
     try:
         with contextlib.redirect_stderr(io.StringIO()), _transformers_quiet():   # our own report instead
             model, info = auto.from_pretrained(name, config=config, trust_remote_code=model_cfg.trust_remote_code,
@@ -143,9 +135,8 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
                               "together; use the model's own tokenizer (leave tokenizer.name_or_path unset)")
     else:
         from .architectures import module
-        arch = module(model_cfg.architecture)
-        model = (arch.MASKED_LM if task.kind == "mlm" else arch.SEQUENCE_CLASSIFICATION)(config)
-    if task.kind == "mlm":
+        model = kind_of(task.kind).head(module(model_cfg.architecture))(config)
+    if hasattr(model, "sparse_head"):   # the recipe's masked-LM forward (modeling.RecipeMaskedLM)
         model.sparse_head = model_cfg.sparse_mlm_head
     from .attention import use_path
     from .dropout import use_recipe_attention

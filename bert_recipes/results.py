@@ -1,5 +1,5 @@
-"""What a finished run delivers besides its last state: the best evaluation kept apart, evaluations of
-further splits and test-set predictions in a submission format (the export and its upload to the Hub:
+"""What a run delivers besides its last state: the best evaluation kept apart, evaluations of further splits and
+of a mixture's sources, and test-set predictions in a submission format (the export and its upload to the Hub:
 bert_recipes/export.py).
 Each takes the engine (bert_recipes/engine.py), so it works on every backend."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .checkpoint import checkpoint_root, save_checkpoint
 from .config import CheckpointConfig, TaskConfig
-from .metrics import eval_metrics
+from .tasks import kind_of
 from .ranks import barrier, print0
 
 BEST = "best"
@@ -52,27 +52,38 @@ def extra_evaluations(task: TaskConfig, engine, data) -> dict:
     out = {}
     for key in (k for k in data if k.startswith("eval:")):
         split = key.removeprefix("eval:")
-        metrics = eval_metrics(task, engine.evaluate(data[key]))
+        metrics = kind_of(task.kind).metrics(task, engine.evaluate(data[key]))
         out.update({f"{split}/{k}": v for k, v in metrics.items()})
         print0(f"[eval] {split}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in metrics.items()))
     return out
 
 
+def evaluate_sources(task: TaskConfig, engine, data, mixture) -> dict:
+    """data.mixture's evaluation (bert_recipes/mixture.Mixture): each source's rows on their own, and all of them
+    together: the overall metrics, and each source's as <name>/<metric>. Every row is evaluated once."""
+    import numpy as np
+    metrics = kind_of(task.kind).metrics
+    rows = {name: engine.evaluate(data[f"eval@{name}"]) for name in mixture.names}
+    joined = {key: np.concatenate([r[key] for r in rows.values()]) for key in next(iter(rows.values()))}
+    out = metrics(task, joined)
+    for name, r in rows.items():
+        out.update({f"{name}/{k}": v for k, v in metrics(task, r).items()})
+    return out
+
+
 def write_predictions(task: TaskConfig, engine, data, test_index: dict, output_dir: Path) -> list[Path]:
     """data.test_splits -> output_dir/predictions/<split>.tsv: `index<TAB>prediction`, one row per
     example in the split's order, the index from the split's own idx column (GLUE's submission
-    format), predictions as label names where task.label_names gives them (else class ids), or
-    values for a regression. Collective."""
+    format), each prediction as the task kind writes it (classification: a label name, else a class id, or a
+    value for a regression). Collective."""
     written = []
     for key in (k for k in data if k.startswith("test:")):
         split = key.removeprefix("test:")
         preds = engine.predict(data[key])
         if not engine.is_main:
             continue
-        names = task.label_names if task.num_labels > 1 else None
-        shown = ([names[int(p)] for p in preds] if names else
-                 [f"{float(p):.3f}" for p in preds] if task.num_labels == 1 else [str(int(p)) for p in preds])
+        shown = kind_of(task.kind).prediction_text(task, preds)
         path = output_dir / "predictions" / f"{split}.tsv"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("index\tprediction\n" + "".join(f"{i}\t{p}\n" for i, p in zip(test_index[split], shown)))

@@ -14,6 +14,7 @@ from pathlib import Path
 from .config import ConfigError, DataConfig, TaskConfig, TokenizerConfig, first_line, path_kind
 from .corpora import check_kinds, corrupt_file, resolve_data_files, resolve_files
 from .ranks import on_rank0
+from .tasks import TASKS
 from .tokenizing import TOKENIZE_VERSION
 
 
@@ -35,12 +36,9 @@ def load_raw(data: DataConfig, task: TaskConfig, seed: int):
         from .sample import build_sample
         build_sample(data.sample_dir)   # idempotent; call under main_process_first
         root = Path(data.sample_dir)
-        if task.kind == "mlm":
-            files = {"train": str(root / "pretrain/train.txt"), "validation": str(root / "pretrain/validation.txt")}
-            raw = load_dataset("text", data_files=files, cache_dir=data.cache_dir)
-        else:
-            files = {s: str(root / f"classify/{s}.jsonl") for s in ("train", "validation", "test")}
-            raw = load_dataset("json", data_files=files, cache_dir=data.cache_dir)
+        builder, path, splits = TASKS[task.kind].sample   # the sample's files this task kind trains on
+        files = {s: str(root / path.format(split=s)) for s in splits}
+        raw = load_dataset(builder, data_files=files, cache_dir=data.cache_dir)
     elif data.source == "hub":
         try:
             raw = load_dataset(data.dataset_name, data.dataset_config, cache_dir=data.cache_dir)
@@ -127,7 +125,7 @@ def limited(train, evaluation, data: DataConfig, where: str) -> tuple:
 
 def check_columns(train, data: DataConfig, task: TaskConfig, what: str) -> None:
     columns = [data.text_column] + ([data.text_pair_column] if data.text_pair_column else [])
-    if task.kind == "classification":
+    if TASKS[task.kind].labelled:
         columns.append(data.label_column)
     for col in columns:
         if col not in train.column_names:
@@ -324,7 +322,7 @@ SIGNATURE_BEFORE = {"data.document_mask": False}
 def prepared_signature(data: DataConfig, task: TaskConfig, tok: TokenizerConfig, model_name_or_path: str | None) -> dict:
     """The settings that decide a run's tokens: prepared data is used only by a recipe that agrees."""
     named = tok.name_or_path or model_name_or_path
-    return {"task.kind": task.kind, "task.num_labels": task.num_labels if task.kind == "classification" else None,
+    return {"task.kind": task.kind, "task.num_labels": task.num_labels if TASKS[task.kind].labelled else None,
             "task.label_names": task.label_names,
             "tokenizer": tokenizer_identity(named),
             "tokenizer.vocab_size": tok.vocab_size if not named else None,

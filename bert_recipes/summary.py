@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from .tasks import TASKS
+
 
 def summarize(run_dirs: list[str]) -> str:
     lines = ["", "=" * 72, "bert-recipes demo summary", "=" * 72]
@@ -18,7 +20,7 @@ def summarize(run_dirs: list[str]) -> str:
         total += final["wall_time_s"]
         lines.append(f"{run}  ({kind}, {final['steps']} steps, {final['num_processes']} processes, "
                      f"{final['wall_time_s']:.0f}s)")
-        if kind == "mlm":
+        if TASKS[kind].masked_lm:
             lines.append(f"  MLM train loss   {final['first_train_loss']:.3f} -> {final['last_train_loss']:.3f}")
             lines.append(f"  MLM eval loss    {final['eval_loss']:.3f} (perplexity {final['perplexity']:.1f})")
             exports = sorted(p.name for p in (run / "downstream").glob("step_*"))   # checkpoint.downstream

@@ -15,10 +15,10 @@ from torch.overrides import TorchFunctionMode
 SYNC_CALLS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__format__", "__repr__", "cpu",
               "numpy", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "repeat_interleave"}
 # Call sites whose tensors are on the host in a GPU run too, so their calls wait for nothing: the
-# collator (before the batch is copied to the device), torch's CPU optimizer kernels (host scalars such
-# as the step count), the data loader, and the stop agreement's gloo tensor. Matched against
-# "<file> <function's qualified name>".
-HOST_SITES = ("bert_recipes/collate.py ", "bert_recipes/batching.py ", "torch/optim/", "torch/utils/data/", "bert_recipes/signals.py StopAgreement.")
+# collators (each task kind's class, named <...>Collator, and what they share: before the batch is copied to the
+# device), torch's CPU optimizer kernels (host scalars such as the step count), the data loader, and the stop
+# agreement's gloo tensor. Matched against "<file> <function's qualified name>".
+HOST_SITES = ("bert_recipes/collate.py ", "Collator.", "bert_recipes/batching.py ", "torch/optim/", "torch/utils/data/", "bert_recipes/signals.py StopAgreement.")
 
 
 def _bool_index(args) -> bool:

@@ -348,7 +348,8 @@ def peak_memory_gb(all_sum, rank: int, world: int, device, on_gpu: bool) -> list
 def mfu_terms(model_config, data, model, task_kind: str, train, device, pipeline: bool) -> tuple[float, float, str]:
     """MFU's terms for this run: training FLOPs per token (an MLM head over the masked tokens only when
     model.sparse_mlm_head) and one device's peak. -> (FLOPs per token, peak FLOP/s, the [mfu] line)."""
-    mlm_fraction = (data.mlm_probability if model.sparse_mlm_head else 1.0) if task_kind == "mlm" else None
+    from .tasks import TASKS
+    mlm_fraction = (data.mlm_probability if model.sparse_mlm_head else 1.0) if TASKS[task_kind].masked_lm else None
     flops_token = flops_per_token(model_config, data.max_seq_length, mlm_fraction)
     peak, peak_source = peak_flops(device, train.mixed_precision, train.tf32)
     return flops_token, peak, (f"[mfu] {flops_token / 1e6:.1f} MFLOP per token (train), peak {peak / 1e12:.2f} "

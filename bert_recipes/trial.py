@@ -22,6 +22,7 @@ import torch
 from .config import Config, predictions_per_seq
 from .mask_rate import largest
 from .ranks import print0
+from .tasks import kind_of
 
 
 def trial_batch(cfg: Config, size: int, vocab_size: int, padded: bool, device) -> dict:
@@ -31,18 +32,8 @@ def trial_batch(cfg: Config, size: int, vocab_size: int, padded: bool, device) -
     length, g = cfg.data.max_seq_length, torch.Generator().manual_seed(0)
     ids = torch.randint(vocab_size, (size, length), generator=g)
     batch = {"input_ids": ids, **({"attention_mask": torch.ones_like(ids)} if padded else {})}
-    if cfg.task.kind == "mlm":
-        rate, k = largest(cfg.data, predictions_per_seq(cfg))   # a masking rate that moves: its largest level
-        chosen = torch.rand(size, length, generator=g) < rate
-        if k:
-            positions = torch.rand(size, length, generator=g).argsort(dim=1)[:, :k].sort(dim=1).values
-            chosen = torch.zeros(size, length, dtype=torch.bool).scatter_(1, positions, True)
-            batch["masked_positions"] = positions
-        batch["labels"] = torch.where(chosen, ids, -100)
-    elif cfg.task.num_labels == 1:
-        batch["labels"] = torch.rand(size, generator=g)
-    else:
-        batch["labels"] = torch.randint(cfg.task.num_labels, (size,), generator=g)
+    rate, k = largest(cfg.data, predictions_per_seq(cfg))   # a masking rate that moves: its largest level
+    batch.update(kind_of(cfg.task.kind).trial_labels(cfg.task, ids, rate, k, g))
     return {k: v.to(device) for k, v in batch.items()}
 
 

@@ -116,7 +116,8 @@ def test_unpadded_mlm_gives_the_padded_loss(arch):
     """Unpacked MLM with K slots a sequence: the unpadded row's loss and its slots' logits equal the padded ones."""
     from transformers import PreTrainedTokenizerFast
 
-    from bert_recipes.collate import MLMCollator, unpadded
+    from bert_recipes.collate import unpadded
+    from bert_recipes.tasks.mlm import MLMCollator
     from conftest import REPO
     tokenizer = PreTrainedTokenizerFast.from_pretrained(REPO / "tests/data/wordpiece-1000")
     model = tiny("mlm", vocab=len(tokenizer), arch=arch)
@@ -140,7 +141,7 @@ def test_the_packer_keeps_each_documents_tokens_and_cuts_a_long_one(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from bert_recipes.config import DataConfig
-    from bert_recipes.tokenizing import tokenize
+    from bert_recipes.tasks.mlm import tokenize
     from conftest import REPO
     tokenizer = PreTrainedTokenizerFast.from_pretrained(REPO / "tests/data/wordpiece-1000")
     lines = ["the value of x", "a very long line " * 8, "return it", "print the list and the dict"] * 3

@@ -60,7 +60,7 @@ def test_every_form_gives_the_tokens_of_the_plain_file(corpus, datasets_cache, s
     from bert_recipes.config import Config
     from bert_recipes.corpora import resolve_into
     from bert_recipes.sources import load_raw
-    from bert_recipes.tokenizing import tokenize
+    from bert_recipes.tasks.mlm import tokenize
 
     tokenizer = AutoTokenizer.from_pretrained(shared_tokenizer)
     got, fingerprints = {}, {}

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from bert_recipes.batching import Indexed
-from bert_recipes.collate import MLMCollator
 from bert_recipes.config import Config, ConfigError
 from bert_recipes.sample import LABELS, build_sample
 from bert_recipes.sources import load_raw, texts, train_wordpiece
-from bert_recipes.tokenizing import tokenize
+from bert_recipes.tasks import kind_of
+from bert_recipes.tasks.mlm import MLMCollator
 
 
 def read_jsonl(path):
@@ -76,11 +76,12 @@ import json, sys
 from transformers import AutoTokenizer
 from bert_recipes.config import Config
 from bert_recipes.sources import load_raw
-from bert_recipes.tokenizing import tokenize
+from bert_recipes.tasks import kind_of
 cfg = Config()
 cfg.data.sample_dir, cfg.data.cache_dir, cfg.data.max_seq_length, cfg.data.max_train_samples = sys.argv[1:5]
 cfg.data.max_seq_length, cfg.data.max_train_samples = int(cfg.data.max_seq_length), int(cfg.data.max_train_samples)
-data = tokenize(load_raw(cfg.data, cfg.task, seed=0), AutoTokenizer.from_pretrained(sys.argv[5]), cfg.task, cfg.data)
+data = kind_of(cfg.task.kind).tokenize(load_raw(cfg.data, cfg.task, seed=0), AutoTokenizer.from_pretrained(sys.argv[5]),
+                                      cfg.task, cfg.data)
 print(json.dumps({"files": [f["filename"] for f in data["train"].cache_files],
                   "lengths": sorted({len(x) for x in data["train"]["input_ids"]})}))
 """
@@ -109,7 +110,7 @@ def test_line_by_line_pads_dynamically(sample_dir, tokenizer):
     cfg = Config()
     cfg.data.sample_dir, cfg.data.packing, cfg.data.max_seq_length, cfg.data.max_train_samples = \
         str(sample_dir), False, 48, 200
-    data = tokenize(load_raw(cfg.data, cfg.task, seed=0), tokenizer, cfg.task, cfg.data)
+    data = kind_of(cfg.task.kind).tokenize(load_raw(cfg.data, cfg.task, seed=0), tokenizer, cfg.task, cfg.data)
     lengths = [len(x) for x in data["train"]["input_ids"]]
     assert max(lengths) <= 48 and min(lengths) < 48
     collate = MLMCollator(tokenizer, 0.15, seed=0)
@@ -196,7 +197,8 @@ def test_classification_with_string_labels(tmp_path, tokenizer):
     cfg.data.validation_split_percentage = 20
     raw = load_raw(cfg.data, cfg.task, seed=0)
     assert len(raw["eval"]) == 4 and len(raw["train"]) == 16
-    data = tokenize(raw, tokenizer, cfg.task, cfg.data, label_names=["neg", "pos"])
+    cfg.task.label_names = ["neg", "pos"]
+    data = kind_of(cfg.task.kind).tokenize(raw, tokenizer, cfg.task, cfg.data)
     assert sorted(set(data["train"]["labels"])) == [0, 1]
     cfg.data.text_column = "missing"
     with pytest.raises(ConfigError, match="column 'missing' not in the training data"):
@@ -248,7 +250,7 @@ def test_length_bins_leave_the_least_padding_and_every_batch_takes_one():
     that holds it, with a mask, also when its rows are of one length; without bins that batch is stacked
     as it is."""
     from bert_recipes.batching import length_bins, padded_width
-    from bert_recipes.collate import ClassificationCollator
+    from bert_recipes.tasks.classification import ClassificationCollator
     lengths = [5] * 50 + [9] * 30 + [17] * 15 + [40] * 5
     assert length_bins(lengths, 4, None) == [5, 9, 17, 40]
     assert length_bins(lengths, 4, 8, longest=60) == [8, 16, 24, 64]

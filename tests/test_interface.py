@@ -1,7 +1,8 @@
 """The engine contracts (bert_recipes/interface.py): both engines implement every member train.py uses, with the
 Protocol's parameters; every attribute is set by each engine (read from its code), and the Accelerate engine's are
 there after prepare on a real run; each branch of train.py's step reads only its own engine's contract
-(AccelerateStep, PipelineStep); the device is decided once."""
+(AccelerateStep, PipelineStep); the device is decided once. Every task kind gives the task contract (Task), and
+nothing outside its file branches on the kind."""
 from __future__ import annotations
 
 import ast
@@ -242,14 +243,15 @@ def test_imports_follow_the_layers(tmp_path):
                 against.append(f"{name} (layer {own}) imports {target} (layer {theirs})")
     assert not unplaced, f"not in docs/changing.md's layer table: {unplaced}"
     assert not against, against
-    assert layer("bert_recipes.backends.deepspeed") == 5 and layer("bert_recipes.backends.plan") == 1
+    assert layer("bert_recipes.backends.deepspeed") == 6 and layer("bert_recipes.backends.plan") == 1
+    assert layer("bert_recipes.tasks") == 1 and layer("bert_recipes.tasks.mlm") == 4   # the table, a kind's file
     assert layer("bert_recipes.architectures.bert") == 2 and layer("bert_recipes.architectures") == 1
     control = tmp_path / "optim.py"
     control.write_text("import importlib\n\n\ndef build():\n    from .backends.deepspeed import cpu_adam\n"
                        "    return importlib.import_module('.engine', 'bert_recipes'), cpu_adam\n")
     seen = module_imports(control, "bert_recipes.optim") & set(files)
     assert seen == {"bert_recipes.backends.deepspeed", "bert_recipes.engine"}, seen
-    assert [layer(m) for m in sorted(seen)] == [5, 5] and layer("bert_recipes.optim") == 2
+    assert [layer(m) for m in sorted(seen)] == [6, 6] and layer("bert_recipes.optim") == 2
 
 
 SECTIONS = {"run", "task", "model", "tokenizer", "data", "optim", "train", "checkpoint", "logging"}
@@ -323,7 +325,7 @@ def test_the_whole_config_goes_only_where_three_sections_are_read():
 def test_no_import_circle_in_the_package():
     """Not even through a function-local import (config.validate -> metrics -> modeling -> config was one)."""
     graph = package_imports()
-    assert "bert_recipes.modeling" in graph["bert_recipes.engine"], graph["bert_recipes.engine"]   # it sees them
+    assert "bert_recipes.tasks" in graph["bert_recipes.engine"], graph["bert_recipes.engine"]   # it sees them
 
     def circle_from(start, node, path):
         for target in sorted(graph[node]):
@@ -336,3 +338,53 @@ def test_no_import_circle_in_the_package():
         return None
     circles = [c for c in (circle_from(m, m, [m]) for m in sorted(graph)) if c]
     assert not circles, [" -> ".join(c) for c in circles]
+
+
+# ----------------------------------------------------------------------------- task kinds
+def contract_functions(protocol) -> list[str]:
+    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+
+
+def test_every_task_kind_gives_the_contract_with_its_parameters():
+    """Each row of tasks.TASKS has its file, and the file every function of interface.Task (and TestPredictions where
+    its row writes test predictions), with the contract's parameters."""
+    from bert_recipes.interface import Task, TestPredictions
+    from bert_recipes.tasks import TASKS, kind_of
+    assert set(TASKS) >= {"mlm", "classification"}
+    for kind, row in TASKS.items():
+        module = kind_of(kind)
+        for protocol in (Task, TestPredictions) if row.test_predictions else (Task,):
+            names = contract_functions(protocol)
+            assert len(names) >= 2
+            for name in names:
+                assert hasattr(module, name), (kind, name)
+                ours = list(inspect.signature(getattr(protocol, name)).parameters)[1:]   # less self
+                assert list(inspect.signature(getattr(module, name)).parameters) == ours, (kind, name)
+
+
+def kind_tests(source: str) -> list[str]:
+    """Comparisons of a task kind (`<...>.kind` of a task, or a name `task_kind`) with a kind's name: a branch on
+    the kind, where the contract or the row should answer."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        named = any((isinstance(s, ast.Attribute) and s.attr == "kind" and "task" in ast.unparse(s.value))
+                    or (isinstance(s, ast.Name) and s.id == "task_kind") for s in sides)
+        kinds = any(isinstance(c, ast.Constant) and c.value in ("mlm", "classification") for s in sides
+                    for c in ast.walk(s))
+        if named and kinds:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_a_task_kinds_file_branches_on_the_kind():
+    """train.py and every module of the package but the kinds' own files ask the contract (tasks.kind_of) or the row
+    (tasks.TASKS), never `task.kind == "mlm"`; the check finds such a branch where one is written."""
+    package = REPO / "bert_recipes"
+    files = [REPO / "train.py", *sorted(p for p in package.rglob("*.py") if p.parent.name != "tasks")]
+    branches = {str(p.relative_to(REPO)): kind_tests(p.read_text()) for p in files}
+    assert not {k: v for k, v in branches.items() if v}
+    assert kind_tests('if cfg.task.kind == "mlm":\n    pass\n') and kind_tests('x = task_kind != "classification"\n')
+    assert not kind_tests('if plan.kind == "deepspeed":\n    pass\n')

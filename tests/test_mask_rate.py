@@ -57,7 +57,7 @@ def test_a_rate_that_stays_is_one_level_and_no_line(tmp_path, sample_dir, datase
 def collator(k: int | None = 20):
     from transformers import PreTrainedTokenizerFast
 
-    from bert_recipes.collate import MLMCollator
+    from bert_recipes.tasks.mlm import MLMCollator
     tokenizer = PreTrainedTokenizerFast.from_pretrained(REPO / "tests/data/wordpiece-1000")
     return MLMCollator(tokenizer, 0.3, seed=3, max_predictions=k, pad_to_multiple_of=None), tokenizer
 

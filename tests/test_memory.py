@@ -50,7 +50,7 @@ def tiny_batch(task: str, batch: int, seq: int, vocab: int, masked: int, num_lab
     mask = torch.ones(batch, seq, dtype=torch.long)
     if padded:
         mask[0, seq // 2:] = 0
-    # as data.MLMCollator: a batch without padding comes without an attention_mask (no mask is built)
+    # as tasks/mlm.MLMCollator: a batch without padding comes without an attention_mask (no mask is built)
     out = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), **({"attention_mask": mask} if padded else {})}
     if task == "mlm":
         labels = torch.full((batch, seq), -100)

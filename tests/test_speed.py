@@ -25,7 +25,7 @@ def test_static_positions_give_the_loss_of_the_boolean_head(shared_tokenizer, sa
     be masked) and many are short, so unused slots (which point at position 0) must not count."""
     from transformers import AutoTokenizer, BertConfig
 
-    from bert_recipes.collate import MLMCollator
+    from bert_recipes.tasks.mlm import MLMCollator
     from bert_recipes.architectures.bert import RecipeBertForMaskedLM
     tok = AutoTokenizer.from_pretrained(shared_tokenizer)
     lines = [l for l in (sample_dir / "pretrain/train.txt").read_text().splitlines() if len(l) > 60][:16]

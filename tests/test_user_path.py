@@ -190,7 +190,7 @@ def test_whole_word_masking_masks_words_together_at_the_rate(sample_dir, shared_
     masking is a pure function of (seed, epoch, example)."""
     from transformers import AutoTokenizer
 
-    from bert_recipes.collate import MLMCollator
+    from bert_recipes.tasks.mlm import MLMCollator
     tok = AutoTokenizer.from_pretrained(shared_tokenizer)
     lines = [l for l in (sample_dir / "pretrain/train.txt").read_text().splitlines() if len(l) > 80][:400]
     examples = [{**tok(l, truncation=True, max_length=64, return_special_tokens_mask=True), "idx": i}

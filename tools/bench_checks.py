@@ -29,7 +29,7 @@ def collate_cost(data: dict, seq: int, batches: tuple = (32, 256), repeats: int 
     from transformers import AutoTokenizer
 
     from bert_recipes.batching import Indexed
-    from bert_recipes.collate import MLMCollator
+    from bert_recipes.tasks.mlm import MLMCollator
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -254,13 +254,13 @@ def print_plan(args, cfg) -> dict:
 # ----------------------------------------------------------------------------- measure
 def synthetic_batch(cfg, config, b: int, s: int, k: int | None, masked: int, gen) -> dict:
     """A batch of the recipe's shape for measure: random tokens; MLM labels on K slots a row (as
-    data.MLMCollator) or on `masked` positions; classification labels."""
+    tasks/mlm.MLMCollator) or on `masked` positions; classification labels."""
     import torch
     ids = torch.randint(5, config.vocab_size, (b, s), generator=gen)
     batch = {"input_ids": ids, "token_type_ids": torch.zeros(b, s, dtype=torch.long)}
     if cfg.task.kind == "classification":   # padded batches carry a mask (packed MLM blocks come without)
         batch["attention_mask"] = torch.ones(b, s, dtype=torch.long)
-    if cfg.task.kind == "mlm" and k is not None:   # as data.MLMCollator: K positions a row, in order
+    if cfg.task.kind == "mlm" and k is not None:   # as tasks/mlm.MLMCollator: K positions a row, in order
         positions = torch.stack([torch.randperm(s, generator=gen)[:k].sort().values for _ in range(b)])
         batch["labels"] = torch.full((b, s), -100).scatter(1, positions, ids.gather(1, positions))
         batch["masked_positions"] = positions

@@ -43,6 +43,10 @@ def check_consistency(cfg: Config, plan: LaunchPlan, world_size: int, accum: int
     if plan.kind == "pipeline" and cfg.model.architecture != "bert":
         conflicts.append(f"model.architecture={cfg.model.architecture}: the pipeline engine cuts BERT's layers only "
                          "(bert_recipes/backends/pipeline.py): use a DDP, ZeRO or FSDP config")
+    from .pipeline import PIPELINE_HEADS
+    if plan.kind == "pipeline" and cfg.task.kind not in PIPELINE_HEADS:
+        conflicts.append(f"task.kind={cfg.task.kind}: the pipeline engine cuts the heads of {', '.join(PIPELINE_HEADS)} "
+                         "only (bert_recipes/backends/pipeline.py: layer_specs): use a DDP, ZeRO or FSDP config")
     if t.mixed_precision == "fp16" and not has_cuda:
         conflicts.append("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU Accelerate would silently train "
                          "in fp32. Use bf16 (supported on CPU) or no")

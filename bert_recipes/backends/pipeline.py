@@ -28,18 +28,17 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..batching import Indexed
 from ..config import ConfigError, DataConfig, OptimConfig, TaskConfig, TrainConfig
 from ..export import write_export
 from ..memory import bubble_line
 from ..metrics import joined_rows
-from ..modeling import batch_rows, masked_lm_loss, predictions
 from ..optim import resume_schedule
 from ..phases import carry_over
 from ..ranks import all_sum, broadcast, control_group, print0, slow_barrier
 from ..rng import load_rng_state, save_rng_state
+from ..tasks import kind_of
 from .accelerator import cpu_affinity
 from .deepspeed import saved_meeting_the_barrier
 from .deepspeed_universal import resharded
@@ -133,6 +132,9 @@ class _Existing(nn.Module):
         return module
 
 
+PIPELINE_HEADS = ("mlm", "classification")   # the task kinds whose heads layer_specs cuts (backends/consistency.py)
+
+
 def layer_specs(model, task: str):
     """The pipeline layers, built from an ordinary Hugging Face model so that initialisation and
     pretrained weights are exactly those of the other backends. Returns (specs, name_map) where
@@ -176,18 +178,6 @@ def to_hf_name(key: str, names: dict[str, str]) -> str | None:
     return None
 
 
-def mlm_loss(logits, labels):
-    return masked_lm_loss(logits.view(-1, logits.size(-1)), labels.view(-1))
-
-
-def classification_loss(num_labels: int):
-    def loss(logits, labels):
-        if num_labels == 1:
-            return F.mse_loss(logits.squeeze(-1).float(), labels.float())
-        return F.cross_entropy(logits.float(), labels)
-    return loss
-
-
 # ---------------------------------------------------------------------------- the run
 class PipelineEngine:
     """The DeepSpeed pipeline engine behind train.py's engine interface (see bert_recipes/engine.py).
@@ -207,6 +197,7 @@ class PipelineEngine:
         ask_numa_once()
         self.plan, self.output_dir = plan, output_dir
         self.train_cfg, self.data_cfg, self.optim_cfg, self.task, self.seed = train, data, optim, task, seed
+        self.kind = kind_of(task.kind)   # the task contract: its loss, evaluation's rows, predictions
         self.on_gpu = plan.on_gpu   # decided once (backend.launch_plan_here)
         kernels = set_kernels(plan)
         deepspeed.init_distributed(dist_backend=None if self.on_gpu else "gloo",
@@ -247,8 +238,7 @@ class PipelineEngine:
         self.full_param_numel = sum(p.numel() for p in model.parameters())
         self.model_class, self.model_config = type(model), model.config   # for the export
         specs, self.names = layer_specs(model, task.kind)
-        loss_fn = mlm_loss if task.kind == "mlm" else classification_loss(task.num_labels)
-        self.net = PipelineModule(layers=specs, num_stages=self.stages, loss_fn=loss_fn,
+        self.net = PipelineModule(layers=specs, num_stages=self.stages, loss_fn=self.kind.loss(task),
                                   partition_method=self.partition)
         return self.net
 
@@ -343,15 +333,15 @@ class PipelineEngine:
         return joined_rows([part for rank_parts in everyone for part in rank_parts])
 
     def evaluate(self, dataset=None) -> dict:
-        """Rows for metrics.eval_metrics, every sample once. dataset: another labelled split."""
-        parts = [{k: v.cpu() for k, v in batch_rows(self.task, logits, labels).items()}
+        """Rows for the task's metrics, every sample once. dataset: another labelled split."""
+        parts = [{k: v.cpu() for k, v in self.kind.eval_rows(self.task, logits, labels).items()}
                  for _, logits, labels in self._outputs(self.eval_set if dataset is None else Indexed(dataset))]
         return self._gather(parts)
 
     def predict(self, dataset):
         """The prediction for every row of `dataset`, in order: class ids, or values for a regression."""
         import numpy as np
-        parts = [{"index": torch.tensor(idx), "preds": predictions(self.task, logits).cpu()}
+        parts = [{"index": torch.tensor(idx), "preds": self.kind.predictions(self.task, logits).cpu()}
                  for idx, logits, _ in self._outputs(Indexed(dataset))]
         rows = self._gather(parts)
         order = np.argsort(rows.get("index", np.zeros(0)), kind="stable")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from ..metrics import available_metrics, default_metrics   # the metric scripts' names (stdlib only)
+from ..metrics import available_metrics   # the metric scripts' names (stdlib only)
+from ..tasks import TASKS, reported_metrics   # the task kinds' rows (data)
 from .readers import ConfigError
 from .schema import _RANGES, Config, DataConfig, TaskConfig, TrainConfig
 
@@ -64,7 +65,7 @@ def schedule_warnings(cfg: Config, total_steps: int, slots: bool = True) -> list
         then = "the only evaluation is the final one" if t.eval_final else "the run never evaluates (train.eval_final=false)"
         out.append(f"[warning] train.eval_every={t.eval_every} >= the run's {total_steps} steps: {then}")
     chosen = round(cfg.data.mlm_probability * cfg.data.max_seq_length)
-    k = cfg.data.max_predictions_per_seq if cfg.task.kind == "mlm" else None
+    k = cfg.data.max_predictions_per_seq if TASKS[cfg.task.kind].masked_lm else None
     if slots and isinstance(k, int) and k > max(1, chosen):   # slots: the pipeline's head predicts every position
         out.append(f"[warning] data.max_predictions_per_seq={k}, but at most round(data.mlm_probability x "
                    f"data.max_seq_length) = {max(1, chosen)} tokens of a sequence are chosen: {k - max(1, chosen)} of "
@@ -95,7 +96,7 @@ def predictions_per_seq(cfg: Config) -> int | None:
     """K of data.max_predictions_per_seq ("auto": round(mlm_probability x max_seq_length)); None: the
     per-token Bernoulli choice, or not MLM."""
     d = cfg.data
-    if cfg.task.kind != "mlm":
+    if not TASKS[cfg.task.kind].masked_lm:
         return None
     if d.max_predictions_per_seq == "auto" or (d.max_predictions_per_seq is None and cfg.train.compile):
         return max(1, round(d.mlm_probability * d.max_seq_length))
@@ -112,7 +113,7 @@ def packed_dropout_here(impl: str, compile: bool, device_type: str) -> bool:
 def padded_batches(data: DataConfig, task: TaskConfig) -> bool:
     """Are this run's training batches padded (lengths that vary, an attention mask)? Packed MLM blocks are not, nor
     unpadded batches (data.unpad: one row of real tokens)."""
-    return (task.kind != "mlm" or not data.packing) and not data.unpad
+    return (not TASKS[task.kind].masked_lm or not data.packing) and not data.unpad
 
 
 def documents_attend_apart(cfg: Config) -> bool:
@@ -140,7 +141,7 @@ def resolve_architecture(model, task_kind: str, init_from: str | None) -> tuple[
             model_type = None
         if model_type is not None:
             built_here = of_model_type(model_type)
-            if built_here is None and task_kind == "mlm":
+            if built_here is None and TASKS[task_kind].masked_lm:
                 raise ConfigError(f"model.name_or_path={name} is a {model_type} model: masked-LM pretraining here builds "
                                   f"{', '.join(ARCHITECTURES)} (model.architecture, bert_recipes/architectures/); give a "
                                   "checkpoint of one of them, or leave model.name_or_path unset for a fresh model")
@@ -179,7 +180,7 @@ def check_architecture(cfg: Config) -> None:
 def check_documents(cfg: Config) -> None:
     """data.document_mask and data.unpad, each where it means something, and what they cannot be combined with."""
     d, t = cfg.data, cfg.train
-    packed_mlm = cfg.task.kind == "mlm" and d.packing
+    packed_mlm = TASKS[cfg.task.kind].masked_lm and d.packing
     if d.document_mask and not packed_mlm:
         raise ConfigError("data.document_mask=true keeps a packed row's documents apart: it needs packed MLM "
                           f"(task.kind=mlm, data.packing=true; now task.kind={cfg.task.kind}, data.packing={d.packing}); "
@@ -203,12 +204,12 @@ def check_mask_rate(cfg: Config) -> None:
     can compile (bert_recipes/mask_rate.py). Again once data.length_bins=auto is decided (preflight)."""
     d = cfg.data
     for key in ("mlm_probability_end", "eval_mlm_probability"):
-        if getattr(d, key) is not None and cfg.task.kind != "mlm":
+        if getattr(d, key) is not None and not TASKS[cfg.task.kind].masked_lm:
             raise ConfigError(f"data.{key}={getattr(d, key)} is a masking rate: it needs task.kind=mlm (now "
                               f"{cfg.task.kind}); remove it")
     bins = d.length_bins if isinstance(d.length_bins, int) else 0
     moving = d.mlm_probability_end is not None and d.mlm_probability_end != d.mlm_probability
-    if moving and cfg.task.kind == "mlm" and cfg.train.compile and not d.packing and 8 // max(bins, 1) < 2:
+    if moving and TASKS[cfg.task.kind].masked_lm and cfg.train.compile and not d.packing and 8 // max(bins, 1) < 2:
         raise ConfigError(f"data.mlm_probability_end={d.mlm_probability_end} under train.compile with data.length_bins="
                           f"{bins}: each level of the rate is one more compiled shape a bin, and {bins} bins leave no "
                           "room for a second level within dynamo's 8: set data.length_bins to 4 or fewer, or "
@@ -221,7 +222,7 @@ def check_mixture(cfg: Config) -> None:
     d = cfg.data
     if d.mixture is None:
         return
-    if cfg.task.kind != "mlm" or d.source != "files":
+    if not TASKS[cfg.task.kind].masked_lm or d.source != "files":
         raise ConfigError(f"data.mixture samples pretraining sources by weight: it needs task.kind=mlm and "
                           f"data.source=files (now task.kind={cfg.task.kind}, data.source={d.source}); make prepare "
                           "does not write mixtures: remove data.mixture, or set both")
@@ -256,7 +257,8 @@ def repeating_shapes(cfg: Config) -> bool:
         return False
     if padded_batches(cfg.data, cfg.task):
         return isinstance(cfg.data.length_bins, int) and cfg.data.length_bins > 0
-    return cfg.task.kind != "mlm" or cfg.data.max_predictions_per_seq is not None or not cfg.model.sparse_mlm_head
+    return (not TASKS[cfg.task.kind].masked_lm or cfg.data.max_predictions_per_seq is not None
+            or not cfg.model.sparse_mlm_head)
 
 
 def resolve(cfg: Config) -> list[str]:
@@ -273,6 +275,8 @@ def resolve(cfg: Config) -> list[str]:
 
 def validate(cfg: Config) -> None:
     """Checks that need no hardware knowledge; world-size checks happen in grad_accum_steps."""
+    if cfg.task.kind not in TASKS:
+        raise ConfigError(f"task.kind={cfg.task.kind} is not one of {', '.join(TASKS)} (bert_recipes/tasks/)")
     for rule in _RANGES:
         section, name = rule.key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -308,21 +312,23 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.source=prepared needs data.prepared_dir (a directory written by make prepare)")
     if d.source == "files" and not d.train_files and d.mixture is None:
         raise ConfigError("data.source=files needs data.train_files (or data.mixture: sources by weight)")
-    if cfg.task.kind == "classification":
-        if m.name_or_path is None and cfg.tokenizer.name_or_path is None:
-            raise ConfigError("classification needs a tokenizer: set model.name_or_path (a pretrained "
-                              "or exported model) or tokenizer.name_or_path")
+    row = TASKS[cfg.task.kind]
+    if not row.masked_lm and m.name_or_path is None and cfg.tokenizer.name_or_path is None:   # MLM trains its own
+        raise ConfigError(f"{cfg.task.kind} needs a tokenizer: set model.name_or_path (a pretrained "
+                          "or exported model) or tokenizer.name_or_path")
+    if row.labelled:
         if cfg.task.label_names and len(cfg.task.label_names) != cfg.task.num_labels:
             raise ConfigError(f"task.label_names has {len(cfg.task.label_names)} names but "
                               f"task.num_labels={cfg.task.num_labels}")
     for name in cfg.task.metrics or []:
         if name not in available_metrics():
             raise ConfigError(f"task.metrics: unknown metric '{name}' (available: {available_metrics()})")
-    if cfg.data.test_splits and cfg.task.kind != "classification":
-        raise ConfigError("data.test_splits: test predictions are for classification tasks (task.kind=classification)")
+    if cfg.data.test_splits and not row.test_predictions:
+        writes = [kind for kind, r in TASKS.items() if r.test_predictions]
+        raise ConfigError(f"data.test_splits: test predictions are for {' or '.join(writes)} tasks (task.kind="
+                          f"{' or '.join(writes)}; now {cfg.task.kind}): remove it")
     best = cfg.checkpoint.metric_for_best
-    reported = (["eval_loss", "perplexity", "mlm_accuracy"] if cfg.task.kind == "mlm" else
-                list(cfg.task.metrics or default_metrics(cfg.task.num_labels)) + (["eval_loss"] if cfg.task.num_labels == 1 else []))
+    reported = reported_metrics(cfg.task)
     if best is not None and best not in reported:
         raise ConfigError(f"checkpoint.metric_for_best={best} is not among this task's evaluation metrics {reported}")
     check_documents(cfg)

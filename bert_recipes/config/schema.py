@@ -94,8 +94,9 @@ class RunConfig:
 
 @dataclass
 class TaskConfig:
-    kind: Literal["mlm", "classification"] = "mlm"
-    """mlm: masked-LM pretraining (BertForMaskedLM). classification: BertForSequenceClassification."""
+    kind: str = "mlm"
+    """One of bert_recipes/tasks/'s rows. mlm: masked-LM pretraining (BertForMaskedLM). classification: sequence
+    classification or regression (BertForSequenceClassification)."""
     num_labels: int = ranged(2, low=1, hint="1 = regression")
     """classification only. 1 means regression (MSE loss, Pearson/Spearman), e.g. STS-B."""
     metrics: Optional[list[str]] = None

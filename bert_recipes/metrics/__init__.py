@@ -48,32 +48,10 @@ def majority_baseline(train_labels, eval_labels) -> float:
 
 def joined_rows(parts: list[dict]) -> dict:
     """Batches of rows (CPU tensors; every rank's, each sample once) -> one numpy array per key,
-    what eval_metrics reads; loss sums in float64."""
+    what a task's metrics read (bert_recipes/tasks/<kind>.py); loss sums in float64."""
     import torch
     keys = {key for part in parts for key in part}
     rows = {k: torch.cat([p[k] for p in parts if k in p]).numpy() for k in keys}
     if "loss_sums" in rows:
         rows["loss_sums"] = rows["loss_sums"].astype("float64")
     return rows
-
-
-def eval_metrics(task, rows: dict) -> dict[str, float]:
-    """The evaluation's metrics from every rank's rows, each sample once, whatever the engine:
-    mlm: rows = {"loss_sums", "token_counts", "correct"} per sample (means over all tokens: the loss,
-    and mlm_accuracy, the share of masked tokens predicted exactly);
-    classification: rows = {"preds", "refs"}."""
-    import math
-
-    import numpy as np
-    if task.kind == "mlm":
-        counts = np.asarray(rows["token_counts"])
-        tokens = max(int(counts.sum()), 1)
-        loss = float(np.sum(np.asarray(rows["loss_sums"], dtype=np.float64))) / tokens
-        accuracy = float(np.sum(np.asarray(rows["correct"], dtype=np.float64))) / tokens
-        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50)), "mlm_accuracy": accuracy,
-                "eval_samples": len(counts)}
-    preds, refs = np.asarray(rows["preds"]), np.asarray(rows["refs"])
-    out = compute_metrics(task.metrics or default_metrics(task.num_labels), preds, refs, task.num_labels)
-    if task.num_labels == 1:
-        out["eval_loss"] = float(((preds - refs) ** 2).mean())
-    return {**out, "eval_samples": len(refs)}
