@@ -61,7 +61,7 @@ DEMO_CLS = --recipe recipes/tiny-classify.yaml --run.output_dir=$(RUNS)/tiny-cla
 DEMO_NPROC = --num_processes $(or $(NPROC),2)
 
 demo: setup  ## pretrain a tiny BERT on 2 CPU processes, fine-tune it, print a summary (~10 min); starts over each time
-	$(PY) -m bert_recipes.sample $(SAMPLE)
+	$(PY) -m bert_recipes.data.sample $(SAMPLE)
 	@$(call col,ddp,4) $(PREFLIGHT) accelerate_configs/cpu.yaml $(DEMO_NPROC) -- $(DEMO_MLM)
 	$(OFFLINE) $(call col,ddp,4) $(LAUNCH) --config_file accelerate_configs/cpu.yaml $(DEMO_NPROC) train.py $(DEMO_MLM)
 	$(OFFLINE) $(call col,ddp,4) $(LAUNCH) --config_file accelerate_configs/cpu.yaml $(DEMO_NPROC) train.py $(DEMO_CLS)

@@ -38,7 +38,7 @@ from bert_recipes.batch_ramp import BatchPlan, batch_plan
 from bert_recipes.checkpoint import (check_data_fits, check_tokenizer_fits, data_record, pick_checkpoint,
                                      read_train_state, save_checkpoint, tokenizer_record)
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
-from bert_recipes.corpora import same_files_on_every_rank
+from bert_recipes.data.files import same_files_on_every_rank
 from bert_recipes.data import data_progress_bars, prepare_data
 from bert_recipes.divergence import StepGuard
 from bert_recipes.downstream import export_for_downstream
@@ -52,7 +52,7 @@ from bert_recipes.phases import init_line
 from bert_recipes.logs import Trackers, plot_curves, write_metrics
 from bert_recipes.mask_rate import MaskSchedule, mask_schedule
 from bert_recipes.memory import describe_plan, predict_run
-from bert_recipes.mixture import Mixture, source_mixture
+from bert_recipes.data.mixture import Mixture, source_mixture
 from bert_recipes.models import build_model, check_sequence_length, count_parameters
 from bert_recipes.optim import (build_optimizer, build_scheduler, describe_decay, schedule_change, skip_update_if,
                                 total_norm)
@@ -84,7 +84,7 @@ class Run:
     stop_at: int              # total_steps, or train.halt_at_step
     stream: BatchPlan         # which micro batches each step takes: the batch's stages (bert_recipes/batch_ramp.py)
     masking: MaskSchedule     # the masking rate's levels over total_steps (one for fine-tuning)
-    mixture: Mixture | None   # data.mixture: the sources' order and what each gave (bert_recipes/mixture.py)
+    mixture: Mixture | None   # data.mixture: the sources' order and what each gave (bert_recipes/data/mixture.py)
     flops_per_token: float    # MFU's numerator per token
     peak_flops: float         # one device
     predicted_peak_gb: float  # the memory planner's (nan when not modelled)

@@ -133,10 +133,11 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         return attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     from torch.nn.attention.varlen import varlen_attn
     b, h, s, d = query.shape
-    flat = [t.transpose(1, 2).reshape(b * s, h, d) for t in (query, key, value)]
+    flat = [t.transpose(1, 2).reshape(b * s, t.size(1), d) for t in (query, key, value)]   # key/value: their heads
     reach = local_reach(kwargs)
     out = varlen_attn(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling,
-                      window_size=(reach, reach) if reach is not None else (-1, -1))
+                      window_size=(reach, reach) if reach is not None else (-1, -1),
+                      enable_gqa=key.size(1) != h)   # fewer key/value heads than query heads (grouped queries)
     return out.view(b, s, h, d), None
 
 
@@ -159,7 +160,8 @@ def flex_attention(module, query, key, value, attention_mask, scaling=None, drop
     b, _, s, _ = query.shape
     mask = create_block_mask(same_document, b, None, s, s, device=query.device)
     run = compiled_flex() if query.is_cuda else flex   # uncompiled, FlexAttention runs a slow reference on a GPU
-    return run(query, key, value, block_mask=mask, scale=scaling).transpose(1, 2), None
+    return run(query, key, value, block_mask=mask, scale=scaling,
+               enable_gqa=key.size(1) != query.size(1)).transpose(1, 2), None   # grouped queries: fewer key/value heads
 
 
 def local_reach(kwargs: dict) -> int | None:

@@ -184,9 +184,9 @@ def read_train_state(path: Path) -> dict:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
-# What gives a model's tensors their shapes: a checkpoint written under other values cannot be loaded into this
-# run's model (torch's size mismatch, after the data was prepared). The vocabulary size counts only for a
-# tokenizer trained here; the dropouts, the attention implementation and the rest do not change a shape.
+# What gives every model's tensors their shapes (an architecture's own: its row's shape_fields): a checkpoint written
+# under other values cannot be loaded into this run's model (torch's size mismatch, after the data was prepared).
+# The vocabulary size counts only for a tokenizer trained here; the dropouts, the attention implementation and the rest do not change a shape.
 # Not tokenizer.name_or_path: a resume may name the run's own saved tokenizer (<output_dir>/tokenizer) where the
 # first run trained it, the same vocabulary under another path (tools/gpu_smoke.py's resume does).
 SHAPE_KEYS = ("model.architecture", "model.name_or_path", "model.hidden_size", "model.num_hidden_layers",
@@ -200,8 +200,8 @@ SHAPE_DEFAULTS = {"model.architecture": "bert"}
 
 def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str, key: str = "checkpoint.resume") -> None:
     """The checkpoint a run resumes (or starts from: key checkpoint.init_from) against this run's model shape
-    (SHAPE_KEYS, from the resolved config saved beside it), before any tensor is loaded: one line naming every
-    differing field with both values, and the ways out. max_position_embeddings shapes no weight of a RoPE model
+    (SHAPE_KEYS, and the architecture row's shape_fields, from the resolved config saved beside it), before any tensor
+    is loaded: one line naming every differing field with both values, and the ways out. max_position_embeddings shapes no weight of a RoPE model
     (architectures' position_weights): there it may change. Warm-starting from an export (model.name_or_path) is not
     a resume: not checked."""
     import yaml
@@ -215,7 +215,8 @@ def check_checkpoint_fits(checkpoint: Path | None, config_yaml: str, key: str = 
     trained_here = lambda d: (value(d, "tokenizer.name_or_path") is None   # noqa: E731
                               and value(d, "model.name_or_path") is None)
     row = ARCHITECTURES.get(value(new, "model.architecture"))
-    keys = [k for k in SHAPE_KEYS if (k != "tokenizer.vocab_size" or trained_here(old) and trained_here(new))
+    shape_keys = SHAPE_KEYS + tuple(f"model.{k}" for k in (row.shape_fields if row is not None else ()))
+    keys = [k for k in shape_keys if (k != "tokenizer.vocab_size" or trained_here(old) and trained_here(new))
             and (k != "model.max_position_embeddings" or row is None or row.position_weights)]
     differ = [f"{k}: {value(old, k)!r} in the checkpoint, {value(new, k)!r} now" for k in keys
               if value(old, k) != value(new, k)]
@@ -234,7 +235,7 @@ def tokenizer_record(tokenizer, source: str | None) -> dict:
     """What a checkpoint records of the tokenizer it was trained with (train_state.json): a fingerprint of its
     vocabulary and ids, normaliser and special tokens (tokenizing.vocabulary_fingerprint), its size and where it
     came from (tokenizer.name_or_path, the model's, or None: trained by the run)."""
-    from .tokenizing import vocabulary_fingerprint
+    from .data.tokenizing import vocabulary_fingerprint
     return {"fingerprint": vocabulary_fingerprint(tokenizer), "vocab_size": len(tokenizer), "source": source}
 
 
@@ -263,11 +264,11 @@ def check_tokenizer_fits(checkpoint: Path | None, record: dict, output_dir: Path
 
 def data_record(data: DataConfig) -> dict:
     """What a checkpoint records of the data files it was trained on (train_state.json's data_files): each file's size
-    and a digest of sampled blocks (corpora.data_fingerprint), by key: every resolved list of data.source=files
-    (corpora.file_lists), or data.source=prepared's manifest (prepared.json: make prepare writes it anew, with the
+    and a digest of sampled blocks (files.data_fingerprint), by key: every resolved list of data.source=files
+    (files.file_lists), or data.source=prepared's manifest (prepared.json: make prepare writes it anew, with the
     files' list and the store's counts). The sample and the Hub record none."""
-    from .corpora import SAMPLING, data_fingerprint, file_lists
-    from .sources import PREPARED_META
+    from .data.files import SAMPLING, data_fingerprint, file_lists
+    from .data.prepared import PREPARED_META
     lists = (file_lists(data) if data.source == "files" else
              {"data.prepared_dir": [str(Path(data.prepared_dir) / PREPARED_META)]} if data.source == "prepared" else {})
     return {"sampling": SAMPLING, "files": data_fingerprint(lists)} if lists else {}
@@ -279,7 +280,7 @@ def data_changes(saved: dict, record: dict, since: str) -> list[str]:
     under another path with the same size and digest is the same file (a copy on a node's own disk, a moved store); a
     key's one file gone and one new is the same file replaced. A file this run no longer names that is still on the
     disk is a list edited in the recipe (another file named on purpose), the config's own [resume] line; files only
-    this run has are not a change either (a pattern's new files are left out before: corpora.resolve_into). Digests
+    this run has are not a change either (a pattern's new files are left out before: files.resolve_into). Digests
     count only where both were sampled alike (SAMPLING); sizes always."""
     alike = saved.get("sampling") == record.get("sampling")
 

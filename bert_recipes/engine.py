@@ -20,11 +20,11 @@ from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, fill
 from .backends.deepspeed_universal import resharded
 from .backends.fsdp import wrap_model_layers
 from .backends.plan import LaunchPlan
-from .batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
+from .data.batching import Indexed, LengthGroupedBatches, fit_length_bins, loader_kwargs, sequence_lengths
 from .config import DataConfig, OptimConfig, TaskConfig, TrainConfig
 from .export import write_export
 from .metrics import joined_rows
-from .mixture import MixedOrder
+from .data.mixture import MixedOrder
 from .optim import build_scheduler, resume_schedule
 from .phases import carry_over
 from .throughput import peak_memory_gb
@@ -132,7 +132,7 @@ class AccelerateEngine:
                                            step_batches=t.global_batch_size // t.micro_batch_size,
                                            order=mixture.order if mixture else None)
             train_loader = DataLoader(Indexed(data["train"]), batch_sampler=batches, **kwargs)
-        elif mixture is not None:   # data.mixture: the sources' order (bert_recipes/mixture.py)
+        elif mixture is not None:   # data.mixture: the sources' order (bert_recipes/data/mixture.py)
             train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, sampler=MixedOrder(mixture),
                                       drop_last=True, **kwargs)
         else:

@@ -143,7 +143,9 @@ class Task(Protocol):
 
     def head(self, arch):
         """The model class trained for this kind on an architecture's file (bert_recipes/architectures/<name>.py),
-        or for arch None (a checkpoint of a model type no architecture here builds) transformers' own, or None."""
+        or for arch None (a checkpoint of a model type no architecture here builds) transformers' own, or None:
+        called as cls(config) for a fresh model and cls.from_pretrained(...) for a checkpoint (an Auto class needs a
+        small wrapper for the first)."""
 
     def loss(self, task):
         """loss(logits, labels) over a batch, as the pipeline's last stage computes it."""
@@ -153,7 +155,9 @@ class Task(Protocol):
 
     # ------------------------------------------------------------ evaluation
     def eval_rows(self, task, logits, labels, masked_positions=None) -> dict:
-        """One evaluation batch's per-sample rows (device tensors), the same for every engine."""
+        """One evaluation batch's per-sample rows (device tensors), the same for every engine: the first dimension
+        counts the batch's samples, and every other dimension has the same width on every rank (the engines gather
+        them across ranks; a per-token kind pads its evaluation batches to data.max_seq_length)."""
 
     def metrics(self, task, rows: dict) -> dict:
         """The evaluation's metrics from every rank's rows (metrics.joined_rows), each sample once."""

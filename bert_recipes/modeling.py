@@ -132,9 +132,14 @@ def document_kwargs(model, document_ids, cu_seqlens, max_seqlen, window: int | N
                               window)
 
 
+SPECIAL_IDS = ("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id", "mask_token_id")
+
+
 def special_token_ids(tokenizer) -> dict:
-    """The tokenizer's pad, cls and sep ids, and bos/eos as cls/sep (ModernBERT's config wants all five: its
-    defaults, 50281-50283, lie past a small vocabulary)."""
+    """The tokenizer's special ids (SPECIAL_IDS): pad, cls, sep and mask, and bos/eos where it has them, else cls/sep
+    (a WordPiece tokenizer has none). An architecture's fresh config takes those its row names (special_ids)."""
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-    return {"pad_token_id": tokenizer.pad_token_id, "cls_token_id": cls, "sep_token_id": sep, "bos_token_id": cls,
-            "eos_token_id": sep}
+    bos, eos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    return {"pad_token_id": tokenizer.pad_token_id, "cls_token_id": cls, "sep_token_id": sep,
+            "bos_token_id": cls if bos is None else bos, "eos_token_id": sep if eos is None else eos,
+            "mask_token_id": tokenizer.mask_token_id}

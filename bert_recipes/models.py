@@ -5,7 +5,7 @@ knows nothing about parallelism: train.py hands it to an engine, which applies t
 from __future__ import annotations
 
 from .config import ConfigError, ModelConfig, TaskConfig, first_line
-from .modeling import special_token_ids
+from .modeling import SPECIAL_IDS, special_token_ids
 from .tasks import kind_of
 
 
@@ -36,9 +36,9 @@ def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_
                               f"model.architecture={named}: {fix}")
         # a classifier from another model type (roberta, ...): BERT's dropout fields, which such configs share
         return module(built_here).with_recipe_fields(config, model_cfg)
-    special = special or dict.fromkeys(("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id",
-                                        "eos_token_id"), pad_token_id)
-    config = arch.with_recipe_fields(arch.fresh_config(model_cfg, vocab_size, special), model_cfg)
+    special = special or dict.fromkeys(SPECIAL_IDS, pad_token_id)
+    taken = {key: special[key] for key in ARCHITECTURES[model_cfg.architecture or "bert"].special_ids}
+    config = arch.with_recipe_fields(arch.fresh_config(model_cfg, vocab_size, taken), model_cfg)
     for key, value in labels.items():
         setattr(config, key, value)
     config._attn_implementation = model_cfg.attn_implementation
@@ -143,8 +143,9 @@ def build_model(model_cfg: ModelConfig, task: TaskConfig, tokenizer=None, config
     use_recipe_attention(model, packed_dropout)
     if attention_path is not None:
         if not hasattr(model, "attention_path"):
-            raise ConfigError(f"data.document_mask and data.unpad need a BERT or ModernBERT model; model.name_or_path="
-                              f"{model_cfg.name_or_path} is a {model.config.model_type} model: set them false")
+            raise ConfigError(f"data.document_mask and data.unpad need this package's BERT or ModernBERT classes, and "
+                              f"task.kind={task.kind} on model.name_or_path={model_cfg.name_or_path} builds "
+                              f"{type(model).__name__} ({model.config.model_type}): set them false")
         use_path(model, attention_path)
     if model_cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -23,10 +23,10 @@ from .checkpoint import check_checkpoint_fits, check_resume_path, resumed_checkp
 from .downstream import check_downstream
 from .config import (PATH_KEYS, CheckpointConfig, Config, ConfigError, DataConfig, TaskConfig, check_mask_rate, looks_local,
                      padded_batches, parse_train_args, path_kind, resolve, to_yaml, validate)
-from .corpora import FILE_KEYS, resolve_into
+from .data.files import FILE_KEYS, resolve_into
 from .places import check_path_names, check_writable_dir, unwritable_default
 from .run_dir import check_output_dir
-from .sources import check_prepared_dir
+from .data.prepared import check_prepared_dir
 
 
 def path_values(cfg: Config, kinds: tuple[str, ...]) -> list[tuple[str, object]]:
@@ -42,7 +42,7 @@ def path_values(cfg: Config, kinds: tuple[str, ...]) -> list[tuple[str, object]]
 def check_paths(cfg: Config) -> list[str]:
     """The local paths the run reads: model and tokenizer directories, data files, prepared data, the
     checkpoint to resume. First, that each can exist at all: no name over its filesystem's limits. Data files
-    given by pattern or directory are resolved into the config here (bert_recipes/corpora.py). -> the lines
+    given by pattern or directory are resolved into the config here (bert_recipes/data/files.py). -> the lines
     that say which files the run reads."""
     check_path_names(path_values(cfg, ("read",)))
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("tokenizer.name_or_path", cfg.tokenizer.name_or_path)):
@@ -70,7 +70,7 @@ def check_paths(cfg: Config) -> list[str]:
 
 
 def _resumed_files(cfg: Config) -> dict[str, list[str]]:
-    """The file lists (corpora.file_lists' keys) of the config of the checkpoint this run resumes: data.train_files and
+    """The file lists (files.file_lists' keys) of the config of the checkpoint this run resumes: data.train_files and
     data.validation_files, or each source of data.mixture that has the same name at the same place; empty when there
     is no checkpoint (or it cannot be read: check_resume_path says why, next)."""
     if not cfg.checkpoint.resume:

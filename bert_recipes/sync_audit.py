@@ -18,7 +18,7 @@ SYNC_CALLS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__",
 # collators (each task kind's class, named <...>Collator, and what they share: before the batch is copied to the
 # device), torch's CPU optimizer kernels (host scalars such as the step count), the data loader, and the stop
 # agreement's gloo tensor. Matched against "<file> <function's qualified name>".
-HOST_SITES = ("bert_recipes/collate.py ", "Collator.", "bert_recipes/batching.py ", "torch/optim/", "torch/utils/data/", "bert_recipes/signals.py StopAgreement.")
+HOST_SITES = ("bert_recipes/data/collate.py ", "Collator.", "bert_recipes/data/batching.py ", "torch/optim/", "torch/utils/data/", "bert_recipes/signals.py StopAgreement.")
 
 
 def _bool_index(args) -> bool:

@@ -230,7 +230,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def sample_dir(tmp_path_factory) -> Path:
-    from bert_recipes.sample import build_sample
+    from bert_recipes.data.sample import build_sample
     out = tmp_path_factory.mktemp("sample")
     build_sample(out)
     return out
@@ -242,7 +242,7 @@ def shared_tokenizer() -> Path:
     under tests/data/: the tokenizers library's trainer breaks ties in hash order, so two trainings on
     the same text differ (and the sample's text depends on the host's Python), which would re-draw every
     learning margin in the suite each session. Made once from the sample's first 1,200 lines with
-    bert_recipes.sources.train_wordpiece(..., 1000, lowercase=True)."""
+    bert_recipes.data.tokenizer.train_wordpiece(..., 1000, lowercase=True)."""
     return REPO / "tests" / "data" / "wordpiece-1000"
 
 

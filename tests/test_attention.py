@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from bert_recipes.architectures import ARCHITECTURES as TABLE, module
 from bert_recipes.attention import block_mask, choose_path, cu_seqlens, positions_within
 from bert_recipes.backends.plan import first_row
 from bert_recipes.config import ModelConfig, TaskConfig
@@ -20,9 +21,9 @@ from conftest import backend_rows, launch, refused_in_process, run_in_process, t
 TOL = 1e-5   # fp32, dropout off: the measured gaps are about 1e-7
 
 
-# ModernBERT: layer 0 global, layer 1 local with a reach of 4 tokens (local_attention 8), under every test's lengths
-ARCHITECTURES = {"bert": {"hidden_dropout_prob": 0.0},
-                 "modernbert": {"architecture": "modernbert", "local_attention": 8, "global_attn_every_n_layers": 2}}
+# Every architecture of the table, as its file's tiny model (TINY: ModernBERT's local layer reaches 4 tokens, under
+# every test's lengths)
+ARCHITECTURES = {name: {"architecture": name, **module(name).TINY} for name in TABLE}
 
 
 def tiny(kind: str, attn: str = "sdpa", labels: int = 3, path: str | None = "mask", seed: int = 0, vocab: int = 100,
@@ -83,8 +84,45 @@ def test_flex_attention_forward_matches_the_mask_path_on_cpu(arch):
     assert (a - b).abs().max() < TOL
 
 
+def test_flex_attention_takes_fewer_key_value_heads_than_query_heads():
+    """Grouped queries (an encoder with num_key_value_heads < num_attention_heads): FlexAttention's document path
+    gives what sdpa gives with each key/value head repeated for its queries under the same document mask. Control:
+    the path without its grouping is refused by FlexAttention (the shapes differ)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from bert_recipes.attention import flex_attention
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 32, 16), torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)
+    ids = torch.tensor([[0] * 10 + [1] * 22, [0] * 16 + [1] * 16])
+    got, _ = flex_attention(None, q, k, v, None, scaling=0.25, document_ids=ids)
+    same = (ids[:, :, None] == ids[:, None, :])[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            attn_mask=same, scale=0.25).transpose(1, 2)
+    assert got.shape == (2, 32, 4, 16) and (got - want).abs().max() < TOL
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+    mask = create_block_mask(lambda b, h, i, j: ids[b, i] == ids[b, j], 2, None, 32, 32, device="cpu")
+    with pytest.raises(Exception):
+        flex(q, k, v, block_mask=mask, scale=0.25)
+
+
+def test_a_fresh_model_takes_the_special_ids_its_row_names():
+    """The tokenizer's special ids (modeling.special_token_ids: the mask id too) reach a fresh config of each
+    architecture as its row's special_ids say: BERT the pad id, ModernBERT pad, cls, sep and bos/eos as cls/sep."""
+    from types import SimpleNamespace
+    from bert_recipes.modeling import SPECIAL_IDS, special_token_ids
+    tok = SimpleNamespace(pad_token_id=0, cls_token_id=2, sep_token_id=3, mask_token_id=4)
+    ids = special_token_ids(tok)
+    assert set(ids) == set(SPECIAL_IDS) and ids["mask_token_id"] == 4 and (ids["bos_token_id"], ids["eos_token_id"]) == (2, 3)
+    for name, row in TABLE.items():
+        cfg = ModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          max_position_embeddings=64, **ARCHITECTURES[name])
+        config = model_config(cfg, TaskConfig(kind="mlm"), 100, 0, ids)
+        assert {key: getattr(config, key) for key in row.special_ids} == {key: ids[key] for key in row.special_ids}
+    assert TABLE["modernbert"].special_ids == SPECIAL_IDS[:5] and TABLE["bert"].special_ids == ("pad_token_id",)
+
+
 def padded_batch(lengths, labels):
-    from bert_recipes.collate import _collate
+    from bert_recipes.data.collate import _collate
     torch.manual_seed(1)
     rows = [{"input_ids": [2] + torch.randint(5, 100, (n - 2,)).tolist() + [3], "token_type_ids": [0] * n,
              "labels": label} for n, label in zip(lengths, labels)]
@@ -97,7 +135,7 @@ def test_unpadded_classification_gives_the_padded_logits_and_loss(num_labels, ar
     """One row of four sequences' real tokens (data.unpad) against the padded batch: the pooled output's logits and
     the loss equal to 1e-5, classification and regression; ModernBERT pooling the first token or the mean. Control:
     the row without its sequences apart differs."""
-    from bert_recipes.collate import unpadded
+    from bert_recipes.data.collate import unpadded
     model = tiny("classification", labels=num_labels, arch=arch, **({"classifier_pooling": pooling} if pooling else {}))
     labels = [0, 2, 1, 2] if num_labels > 1 else [0.5, 1.5, -1.0, 2.0]
     batch = padded_batch([9, 17, 5, 12], labels)
@@ -116,7 +154,7 @@ def test_unpadded_mlm_gives_the_padded_loss(arch):
     """Unpacked MLM with K slots a sequence: the unpadded row's loss and its slots' logits equal the padded ones."""
     from transformers import PreTrainedTokenizerFast
 
-    from bert_recipes.collate import unpadded
+    from bert_recipes.data.collate import unpadded
     from bert_recipes.tasks.mlm import MLMCollator
     from conftest import REPO
     tokenizer = PreTrainedTokenizerFast.from_pretrained(REPO / "tests/data/wordpiece-1000")

@@ -1,4 +1,4 @@
-"""Corpora as they ship (bert_recipes/corpora.py): sharded, compressed, named by a glob pattern, a directory or
+"""Corpora as they ship (bert_recipes/data/files.py): sharded, compressed, named by a glob pattern, a directory or
 a mix, resolved through datasets. The tokens equal those of the same text given as one plain file, on 1 and 2
 processes; the resolved list is one line and the run's config; a resume reads its run's files; a pattern
 that matches nothing, mixed formats, a corrupt .gz and a .zst without zstandard are one line each."""
@@ -58,8 +58,8 @@ def test_every_form_gives_the_tokens_of_the_plain_file(corpus, datasets_cache, s
     from transformers import AutoTokenizer
 
     from bert_recipes.config import Config
-    from bert_recipes.corpora import resolve_into
-    from bert_recipes.sources import load_raw
+    from bert_recipes.data.files import resolve_into
+    from bert_recipes.data.sources import load_raw
     from bert_recipes.tasks.mlm import tokenize
 
     tokenizer = AutoTokenizer.from_pretrained(shared_tokenizer)

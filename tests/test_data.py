@@ -7,10 +7,11 @@ from collections import Counter
 import pytest
 import torch
 
-from bert_recipes.batching import Indexed
+from bert_recipes.data.batching import Indexed
 from bert_recipes.config import Config, ConfigError
-from bert_recipes.sample import LABELS, build_sample
-from bert_recipes.sources import load_raw, texts, train_wordpiece
+from bert_recipes.data.sample import LABELS, build_sample
+from bert_recipes.data.sources import load_raw, texts
+from bert_recipes.data.tokenizer import train_wordpiece
 from bert_recipes.tasks import kind_of
 from bert_recipes.tasks.mlm import MLMCollator
 
@@ -75,7 +76,7 @@ TOKENIZE_SCRIPT = """
 import json, sys
 from transformers import AutoTokenizer
 from bert_recipes.config import Config
-from bert_recipes.sources import load_raw
+from bert_recipes.data.sources import load_raw
 from bert_recipes.tasks import kind_of
 cfg = Config()
 cfg.data.sample_dir, cfg.data.cache_dir, cfg.data.max_seq_length, cfg.data.max_train_samples = sys.argv[1:5]
@@ -249,7 +250,7 @@ def test_length_bins_leave_the_least_padding_and_every_batch_takes_one():
     where asked), the longest length of any split always the last; a padded batch takes the smallest bin
     that holds it, with a mask, also when its rows are of one length; without bins that batch is stacked
     as it is."""
-    from bert_recipes.batching import length_bins, padded_width
+    from bert_recipes.data.batching import length_bins, padded_width
     from bert_recipes.tasks.classification import ClassificationCollator
     lengths = [5] * 50 + [9] * 30 + [17] * 15 + [40] * 5
     assert length_bins(lengths, 4, None) == [5, 9, 17, 40]

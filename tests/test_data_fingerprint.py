@@ -1,5 +1,5 @@
 """A resume's data files against those its checkpoint recorded (checkpoint.data_record, check_data_fits): each
-file's size and a digest of sampled blocks (corpora.sampled_digest). A file rewritten in place since the halt is one
+file's size and a digest of sampled blocks (files.sampled_digest). A file rewritten in place since the halt is one
 line naming the key, the file and what changed, with nothing written; checkpoint.accept_data_change=true resumes,
 saying so; a checkpoint from before the record resumes as before. (A file a pattern added is
 tests/test_mixture.py's: the resume reads the checkpoint's own files.)"""
@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from bert_recipes.checkpoint import data_changes
-from bert_recipes.corpora import BLOCK_BYTES, SAMPLED_BLOCKS, SAMPLING, data_fingerprint, sampled_digest
+from bert_recipes.data.files import BLOCK_BYTES, SAMPLED_BLOCKS, SAMPLING, data_fingerprint, sampled_digest
 from conftest import refused_in_process, run_cli_in_process, run_in_process, tiny_args
 
 

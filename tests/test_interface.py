@@ -380,10 +380,11 @@ def kind_tests(source: str) -> list[str]:
 
 
 def test_nothing_outside_a_task_kinds_file_branches_on_the_kind():
-    """train.py and every module of the package but the kinds' own files ask the contract (tasks.kind_of) or the row
-    (tasks.TASKS), never `task.kind == "mlm"`; the check finds such a branch where one is written."""
+    """train.py, tools/ and every module of the package but the kinds' own files ask the contract (tasks.kind_of) or
+    the row (tasks.TASKS), never `task.kind == "mlm"`; the check finds such a branch where one is written."""
     package = REPO / "bert_recipes"
-    files = [REPO / "train.py", *sorted(p for p in package.rglob("*.py") if p.parent.name != "tasks")]
+    files = [REPO / "train.py", *sorted((REPO / "tools").rglob("*.py")),
+             *sorted(p for p in package.rglob("*.py") if p.parent.name != "tasks")]
     branches = {str(p.relative_to(REPO)): kind_tests(p.read_text()) for p in files}
     assert not {k: v for k, v in branches.items() if v}
     assert kind_tests('if cfg.task.kind == "mlm":\n    pass\n') and kind_tests('x = task_kind != "classification"\n')

@@ -1,4 +1,4 @@
-"""A weighted mix of sources (data.mixture, bert_recipes/mixture.py): the order is arithmetic on the position in the
+"""A weighted mix of sources (data.mixture, bert_recipes/data/mixture.py): the order is arithmetic on the position in the
 run (each block gives each source its share, each source runs its own passes, each pass a permutation of its rows with
 ids of its own), a run reports each source's evaluation and what each source gave, within sampling noise of the
 weights, and says when a source runs out; each bad value is one line. The halt that falls mid-ramp, mid-mix and
@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from bert_recipes.config import load_config
-from bert_recipes.mixture import BLOCK, MixedOrder, Mixture
+from bert_recipes.data.mixture import BLOCK, MixedOrder, Mixture
 from conftest import refused_in_process, run_in_process, tiny_args
 from test_batch_ramp import mixture
 

@@ -153,3 +153,23 @@ def test_bad_architecture_fields_are_one_line(tmp_path, sample_dir, datasets_cac
     plan = LaunchPlan(deepspeed=True, ds_config={"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}})
     with pytest.raises(ConfigError, match="model.architecture=modernbert: the pipeline engine cuts BERT's layers only"):
         check_consistency(cfg, plan, 2, 1, False)
+
+
+def test_a_field_its_row_says_shapes_a_weight_must_match_on_resume(tmp_path, monkeypatch):
+    """An architecture's own shape fields (its row's shape_fields, e.g. a grouped-query encoder's key/value heads)
+    join the shared shape keys a resumed checkpoint is checked against: a change is one line naming the field with
+    both values. Control: without the row's field the same change passes."""
+    import dataclasses
+
+    import yaml
+
+    from bert_recipes import architectures
+    from bert_recipes.checkpoint import CONFIG_FILE, check_checkpoint_fits
+    saved = {"model": {"architecture": "modernbert", "local_attention": 8}}
+    (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(saved))
+    now = yaml.safe_dump({"model": {"architecture": "modernbert", "local_attention": 16}})
+    check_checkpoint_fits(tmp_path, now)   # the control: local_attention shapes no weight of ModernBERT's
+    row = dataclasses.replace(architectures.ARCHITECTURES["modernbert"], shape_fields=("local_attention",))
+    monkeypatch.setitem(architectures.ARCHITECTURES, "modernbert", row)
+    with pytest.raises(ConfigError, match=r"\(model.local_attention: 8 in the checkpoint, 16 now\)"):
+        check_checkpoint_fits(tmp_path, now)

@@ -35,7 +35,7 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
 def slow_data(monkeypatch):
     """A dataset whose every item takes 40 ms (read one by one or a batch at once, as the DataLoader
     does): the model step of the tiny BERT is far shorter (a 4-step window waits 2.6 s for data)."""
-    from bert_recipes import batching as data
+    from bert_recipes.data import batching as data
     one, batch = data.Indexed.__getitem__, data.Indexed.__getitems__
 
     def slow_one(self, i):

@@ -293,13 +293,13 @@ def test_a_full_disk_in_the_data_cache_is_one_line(tmpfs, tmp_path, sample_dir, 
 
 
 def test_a_full_disk_while_saving_a_trained_tokenizer_is_one_line(tmpfs):
-    """The tokenizer a run trains goes to the data cache first (sources.get_tokenizer): on a 4 KiB disk its
+    """The tokenizer a run trains goes to the data cache first (tokenizer.get_tokenizer): on a 4 KiB disk its
     tokenizer.json does not fit; nothing is left of it."""
     from datasets import Dataset
 
     from bert_recipes.config import DataConfig, TokenizerConfig
     from bert_recipes.disk import DiskFull
-    from bert_recipes.sources import get_tokenizer
+    from bert_recipes.data.tokenizer import get_tokenizer
     cache = tmpfs(4 << 10)
     raw = Dataset.from_dict({"text": [f"line {i} of words for a tokenizer to learn" for i in range(200)]})
     with pytest.raises(DiskFull) as caught:

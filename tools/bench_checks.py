@@ -28,7 +28,7 @@ def collate_cost(data: dict, seq: int, batches: tuple = (32, 256), repeats: int 
     from datasets import DatasetDict
     from transformers import AutoTokenizer
 
-    from bert_recipes.batching import Indexed
+    from bert_recipes.data.batching import Indexed
     from bert_recipes.tasks.mlm import MLMCollator
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -59,7 +59,7 @@ def fetch_cost(data: dict, batch: int = 256, repeats: int = 20) -> dict[str, flo
     the DataLoader's fetcher does: row by row (__getitem__) against one Arrow call (data.Indexed.__getitems__)."""
     from datasets import DatasetDict
 
-    from bert_recipes.batching import Indexed
+    from bert_recipes.data.batching import Indexed
     train = Indexed(DatasetDict.load_from_disk(str(data["mlm"] / "data"))["train"])
     out = {}
     for name, fetch in (("row by row", lambda ids: [train[i] for i in ids]), ("one Arrow call", train.__getitems__)):

@@ -198,7 +198,7 @@ def bench(session: Session, step: Step) -> None:
             limit += PREP_S
             session.figures["note"] = (f"the prepared data was not carried (python tools/gpu_session.py prepare): "
                                        f"+{PREP_S} s to prepare it here")
-        from bert_recipes.sample import build_sample
+        from bert_recipes.data.sample import build_sample
         build_sample(session.shared / "sample")
     try:
         session.call(cmd, limit, session.scratch / f"bench-{size}.log")
@@ -383,7 +383,7 @@ def prepare_carried(sizes=("base", "base-1k")) -> Path:
     .gpu_data/ for the GPU machine (name it in the run call's carry), so no GPU time goes to tokenizing."""
     from bench_rows import SIZES
     from bench_runs import MORE_WORKLOADS, prepare_workloads
-    from bert_recipes.sample import build_sample
+    from bert_recipes.data.sample import build_sample
     sample = CARRIED / "sample"
     build_sample(sample)
     for size in sizes:

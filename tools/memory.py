@@ -254,23 +254,24 @@ def print_plan(args, cfg) -> dict:
 # ----------------------------------------------------------------------------- measure
 def synthetic_batch(cfg, config, b: int, s: int, k: int | None, masked: int, gen) -> dict:
     """A batch of the recipe's shape for measure: random tokens; MLM labels on K slots a row (as
-    tasks/mlm.MLMCollator) or on `masked` positions; classification labels."""
+    tasks/mlm.MLMCollator) or on `masked` positions; another kind's labels as its trial batch has them."""
     import torch
     ids = torch.randint(5, config.vocab_size, (b, s), generator=gen)
     batch = {"input_ids": ids, "token_type_ids": torch.zeros(b, s, dtype=torch.long)}
-    if cfg.task.kind == "classification":   # padded batches carry a mask (packed MLM blocks come without)
+    from bert_recipes.tasks import TASKS, kind_of
+    masked_lm = TASKS[cfg.task.kind].masked_lm
+    if not masked_lm:   # padded batches carry a mask (packed MLM blocks come without)
         batch["attention_mask"] = torch.ones(b, s, dtype=torch.long)
-    if cfg.task.kind == "mlm" and k is not None:   # as tasks/mlm.MLMCollator: K positions a row, in order
+    if masked_lm and k is not None:   # as tasks/mlm.MLMCollator: K positions a row, in order
         positions = torch.stack([torch.randperm(s, generator=gen)[:k].sort().values for _ in range(b)])
         batch["labels"] = torch.full((b, s), -100).scatter(1, positions, ids.gather(1, positions))
         batch["masked_positions"] = positions
-    elif cfg.task.kind == "mlm":
+    elif masked_lm:   # exactly `masked` labelled positions, the planner's count
         labels = torch.full((b, s), -100)
         labels.view(-1)[torch.randperm(b * s, generator=gen)[:masked]] = ids.view(-1)[:masked]
         batch["labels"] = labels
-    else:
-        batch["labels"] = (torch.rand(b, generator=gen) if config.num_labels == 1
-                           else torch.randint(0, config.num_labels, (b,), generator=gen))
+    else:   # the task kind's own labels, as a trial batch has them
+        batch.update(kind_of(cfg.task.kind).trial_labels(cfg.task, ids, 0.0, None, gen))
     return batch
 
 

@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")   # one process: let the Rust tokenizer use the cores
 
 from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
-from bert_recipes.corpora import resolve_into   # noqa: E402
+from bert_recipes.data.files import resolve_into   # noqa: E402
 from bert_recipes.data import prepare_data   # noqa: E402
-from bert_recipes.sources import PREPARED_META, prepared_signature   # noqa: E402
+from bert_recipes.data.prepared import PREPARED_META, prepared_signature   # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -101,7 +101,7 @@ class AnonymousMemory:
 def make_corpus(path: Path, size: str, sample_dir: Path) -> int:
     """A generated corpus of `size` bytes: the embedded sample's pretraining text, its lines shuffled
     anew on every pass, one paragraph per line. -> bytes written."""
-    from bert_recipes.sample import build_sample
+    from bert_recipes.data.sample import build_sample
     build_sample(sample_dir)
     lines = (sample_dir / "pretrain/train.txt").read_text().splitlines()
     target = int(float(size[:-1]) * UNITS[size[-1].upper()]) if size[-1].upper() in UNITS else int(size)

@@ -439,7 +439,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(controls) - set(CONTROLS))
     if unknown:
         parser.error(f"--controls: unknown {unknown}; use any of {sorted(CONTROLS)}")
-    from bert_recipes.sample import build_sample
+    from bert_recipes.data.sample import build_sample
     build_sample(args.sample_dir)
     classify = {**CLASSIFY, "steps": args.classify_steps, "tokenizer": str(Path(args.classify_from).resolve())}
     if classify["steps"] and not (Path(classify["tokenizer"]) / "config.json").exists():

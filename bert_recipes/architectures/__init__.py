@@ -19,19 +19,28 @@ class Architecture:
     own_fields, the model.* recipe fields only this architecture has (set under another: one line, never ignored);
     layer_class, its encoder layer (FSDP's unit, accelerate_configs/fsdp.yaml); attention_dropout, its default
     (a fresh config's, or a checkpoint's that does not say); title, for lines; position_weights, whether
-    max_position_embeddings shapes a weight (BERT's learned positions; RoPE has none, so a later phase may grow it)."""
+    max_position_embeddings shapes a weight (BERT's learned positions; RoPE has none, so a later phase may grow it);
+    special_ids, the tokenizer's special ids its fresh config takes (modeling.special_token_ids' keys);
+    divisible, the model.* pairs (a, b) of a fresh model where a must be a multiple of b (one line in config
+    validation otherwise); shape_fields, its own model.* fields that shape a weight, which a resumed checkpoint must
+    match beside the shared ones (checkpoint.shape_keys)."""
     model_type: str
     own_fields: tuple[str, ...]
     layer_class: str
     attention_dropout: float
     title: str
     position_weights: bool
+    special_ids: tuple[str, ...] = ("pad_token_id",)
+    divisible: tuple[tuple[str, str], ...] = (("hidden_size", "num_attention_heads"),)
+    shape_fields: tuple[str, ...] = ()
 
 
 ARCHITECTURES = {
     "bert": Architecture("bert", ("hidden_dropout_prob",), "BertLayer", 0.1, "BERT", True),
     "modernbert": Architecture("modernbert", ("local_attention", "global_attn_every_n_layers", "global_rope_theta",
-                                              "local_rope_theta"), "ModernBertEncoderLayer", 0.0, "ModernBERT", False),
+                                              "local_rope_theta"), "ModernBertEncoderLayer", 0.0, "ModernBERT", False,
+                               special_ids=("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id",
+                                            "eos_token_id")),   # its defaults, 50281-50283, lie past a small vocabulary
 }
 
 

@@ -14,14 +14,19 @@ HEAD_PREFIXES = ("cls.", "classifier.", "bert.pooler.")  # what a task may start
 EMBEDDING_ENTRIES = 5                                     # word, position, token-type embeddings, LayerNorm w and b
 
 
+# A tiny model of this architecture that runs every kind of its layers: the recipe fields the tests give it beside
+# their own size (tests/test_attention.py); dropout off, so paths compare exactly.
+TINY = {"hidden_dropout_prob": 0.0}
+
+
 def fresh_config(model_cfg, vocab_size: int, special: dict):
-    """A BertConfig from the recipe's fields (special: the tokenizer's pad id)."""
+    """A BertConfig from the recipe's fields (special: the tokenizer's ids its row names, the pad id)."""
     from transformers import BertConfig
     return BertConfig(vocab_size=vocab_size, hidden_size=model_cfg.hidden_size,
                       num_hidden_layers=model_cfg.num_hidden_layers, num_attention_heads=model_cfg.num_attention_heads,
                       intermediate_size=model_cfg.intermediate_size,
                       max_position_embeddings=model_cfg.max_position_embeddings,
-                      pad_token_id=special.get("pad_token_id"))
+                      **special)
 
 
 def dropouts(config) -> tuple[float, float]:

@@ -24,9 +24,14 @@ FRESH = {"local_attention": 128, "global_attn_every_n_layers": 3, "global_rope_t
 LAYER_TYPE = {"global_rope_theta": "full_attention", "local_rope_theta": "sliding_attention"}
 
 
+# A tiny model of this architecture that runs every kind of its layers: the recipe fields the tests give it beside
+# their own size (tests/test_attention.py): layer 0 global, layer 1 local with a reach of 4 tokens (local_attention 8).
+TINY = {"local_attention": 8, "global_attn_every_n_layers": 2}
+
+
 def fresh_config(model_cfg, vocab_size: int, special: dict):
-    """A ModernBertConfig from the recipe's fields, with the tokenizer's special ids (ModernBERT's defaults,
-    50281-50283, lie past a small vocabulary) and attention dropout 0 unless the recipe sets it (ModernBERT
+    """A ModernBertConfig from the recipe's fields, with the tokenizer's special ids its row names (ModernBERT's
+    defaults, 50281-50283, lie past a small vocabulary) and attention dropout 0 unless the recipe sets it (ModernBERT
     trains without dropout)."""
     from transformers import ModernBertConfig
     every = model_cfg.global_attn_every_n_layers or FRESH["global_attn_every_n_layers"]

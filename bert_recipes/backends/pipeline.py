@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..batching import Indexed
+from ..data.batching import Indexed
 from ..config import ConfigError, DataConfig, OptimConfig, TaskConfig, TrainConfig
 from ..export import write_export
 from ..memory import bubble_line
@@ -132,43 +132,53 @@ class _Existing(nn.Module):
         return module
 
 
-PIPELINE_HEADS = ("mlm", "classification")   # the task kinds whose heads layer_specs cuts (backends/consistency.py)
-
-
-def layer_specs(model, task: str):
+def layer_specs(model, task_kind: str):
     """The pipeline layers, built from an ordinary Hugging Face model so that initialisation and
-    pretrained weights are exactly those of the other backends. Returns (specs, name_map) where
-    name_map turns PipelineModule state-dict prefixes back into Hugging Face names."""
+    pretrained weights are exactly those of the other backends, its head cut as the task kind's (HEAD_CUTS).
+    Returns (specs, name_map) where name_map turns PipelineModule state-dict prefixes back into Hugging Face names."""
+    return HEAD_CUTS[task_kind](model, model.bert, list(model.bert.encoder.layer))
+
+
+def masked_lm_cut(model, bert, layers):
+    """[word embeddings*] + [positions, types, LayerNorm] + encoder layers + [transform] + [decoder*] + [bias]."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    bert = model.bert
-    layers = list(bert.encoder.layer)
     names = {}
-    if task == "mlm":
-        head = model.cls.predictions
-        words = WordEmbeddingPipe(bert.embeddings.word_embeddings)
-        specs = [TiedLayerSpec(TIED_KEY, _Existing, words, tied_weight_attr=["word_embeddings.weight"]),
-                 LayerSpec(_Existing, EmbeddingPipe(bert.embeddings, words_given=True))]
-        names[f"tied_modules.{TIED_KEY}.word_embeddings."] = "bert.embeddings.word_embeddings."
-        names["1.embeddings."] = "bert.embeddings."
-        for i, layer in enumerate(layers):
-            specs.append(LayerSpec(_Existing, EncoderLayerPipe(layer)))
-            names[f"{len(specs) - 1}.layer."] = f"bert.encoder.layer.{i}."
-        specs.append(LayerSpec(_Existing, TransformPipe(head.transform)))
-        names[f"{len(specs) - 1}.transform."] = "cls.predictions.transform."
-        specs.append(TiedLayerSpec(TIED_KEY, _Existing, words, forward_fn=decode,
-                                   tied_weight_attr=["word_embeddings.weight"]))
-        specs.append(LayerSpec(_Existing, BiasPipe(head.bias)))
-        names[f"{len(specs) - 1}.bias"] = "cls.predictions.bias"
-    else:
-        specs = [LayerSpec(_Existing, EmbeddingPipe(bert.embeddings, words_given=False))]
-        names["0.embeddings."] = "bert.embeddings."
-        for i, layer in enumerate(layers):
-            specs.append(LayerSpec(_Existing, EncoderLayerPipe(layer)))
-            names[f"{len(specs) - 1}.layer."] = f"bert.encoder.layer.{i}."
-        specs.append(LayerSpec(_Existing, ClassifierPipe(bert.pooler, model.dropout, model.classifier)))
-        names[f"{len(specs) - 1}.pooler."] = "bert.pooler."
-        names[f"{len(specs) - 1}.classifier."] = "classifier."
+    head = model.cls.predictions
+    words = WordEmbeddingPipe(bert.embeddings.word_embeddings)
+    specs = [TiedLayerSpec(TIED_KEY, _Existing, words, tied_weight_attr=["word_embeddings.weight"]),
+             LayerSpec(_Existing, EmbeddingPipe(bert.embeddings, words_given=True))]
+    names[f"tied_modules.{TIED_KEY}.word_embeddings."] = "bert.embeddings.word_embeddings."
+    names["1.embeddings."] = "bert.embeddings."
+    for i, layer in enumerate(layers):
+        specs.append(LayerSpec(_Existing, EncoderLayerPipe(layer)))
+        names[f"{len(specs) - 1}.layer."] = f"bert.encoder.layer.{i}."
+    specs.append(LayerSpec(_Existing, TransformPipe(head.transform)))
+    names[f"{len(specs) - 1}.transform."] = "cls.predictions.transform."
+    specs.append(TiedLayerSpec(TIED_KEY, _Existing, words, forward_fn=decode,
+                               tied_weight_attr=["word_embeddings.weight"]))
+    specs.append(LayerSpec(_Existing, BiasPipe(head.bias)))
+    names[f"{len(specs) - 1}.bias"] = "cls.predictions.bias"
     return specs, names
+
+
+def classification_cut(model, bert, layers):
+    """[embeddings] + encoder layers + [pooler + classifier]."""
+    from deepspeed.pipe import LayerSpec
+    names = {}
+    specs = [LayerSpec(_Existing, EmbeddingPipe(bert.embeddings, words_given=False))]
+    names["0.embeddings."] = "bert.embeddings."
+    for i, layer in enumerate(layers):
+        specs.append(LayerSpec(_Existing, EncoderLayerPipe(layer)))
+        names[f"{len(specs) - 1}.layer."] = f"bert.encoder.layer.{i}."
+    specs.append(LayerSpec(_Existing, ClassifierPipe(bert.pooler, model.dropout, model.classifier)))
+    names[f"{len(specs) - 1}.pooler."] = "bert.pooler."
+    names[f"{len(specs) - 1}.classifier."] = "classifier."
+    return specs, names
+
+
+# The task kinds whose heads the pipeline cuts (backends/consistency.py refuses the others in one line)
+HEAD_CUTS = {"mlm": masked_lm_cut, "classification": classification_cut}
+PIPELINE_HEADS = tuple(HEAD_CUTS)
 
 
 def to_hf_name(key: str, names: dict[str, str]) -> str | None:
@@ -247,8 +257,8 @@ class PipelineEngine:
         from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
         from torch.utils.data import BatchSampler, DataLoader
 
-        from ..batching import loader_kwargs
-        from ..mixture import MixedOrder
+        from ..data.batching import loader_kwargs
+        from ..data.mixture import MixedOrder
         t = self.train_cfg
         ds_config = {k: v for k, v in self.plan.ds_config.items() if k != "pipeline"}
         ds_config.update(train_micro_batch_size_per_gpu=t.micro_batch_size, gradient_accumulation_steps=self.accum,
@@ -262,7 +272,7 @@ class PipelineEngine:
         self.replica = self.engine.grid.data_parallel_id   # PipeDataParallelTopology: data axis is fastest
         assert self.replica == (self.rank % self.replicas if self.replicas > 1 else 0)
         train_set = Indexed(data["train"])
-        self.sampler = (MixedOrder(mixture) if mixture is not None else   # data.mixture: bert_recipes/mixture.py
+        self.sampler = (MixedOrder(mixture) if mixture is not None else   # data.mixture: bert_recipes/data/mixture.py
                         SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.seed))
         # Accelerate's own sharding, by replica rather than rank: batch i of the seedable order goes to
         # replica i % replicas (whole rounds only), so a pipeline run sees exactly the batches of a DDP

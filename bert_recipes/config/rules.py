@@ -303,9 +303,13 @@ def validate(cfg: Config) -> None:
     if c.init_from and m.name_or_path:
         raise ConfigError(f"checkpoint.init_from={c.init_from} and model.name_or_path={m.name_or_path} both give the "
                           "weights: keep one (init_from: a run's checkpoint; name_or_path: an export or a Hub model)")
-    if m.name_or_path is None and m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
-                          f"model.num_attention_heads={m.num_attention_heads}")
+    from ..architectures import ARCHITECTURES
+    for a, b in ARCHITECTURES[m.architecture].divisible if m.name_or_path is None else ():   # its row's relations
+        if getattr(m, a) % getattr(m, b):
+            raise ConfigError(f"model.{a}={getattr(m, a)} is not divisible by model.{b}={getattr(m, b)}")
+    if d.source == "sample" and TASKS[cfg.task.kind].sample is None:
+        raise ConfigError(f"data.source=sample: the embedded sample has no data for task.kind={cfg.task.kind}; give "
+                          "data.source=files (data.train_files) or data.source=hub (data.dataset_name)")
     if d.source == "hub" and not d.dataset_name:
         raise ConfigError("data.source=hub needs data.dataset_name (e.g. wikitext or glue)")
     if d.source == "prepared" and not d.prepared_dir:

@@ -179,7 +179,7 @@ class DataConfig:
     source: Literal["sample", "hub", "files", "prepared"] = "sample"
     """sample: the embedded stdlib-docs sample. hub: datasets.load_dataset(dataset_name, dataset_config).
     files: local train_files / validation_files (text, json/jsonl, csv or parquet; plain or .gz/.bz2/.xz; each entry a
-    file, a directory or a glob pattern, resolved into the run's config: bert_recipes/corpora.py)."""
+    file, a directory or a glob pattern, resolved into the run's config: bert_recipes/data/files.py)."""
     prepared_dir: Optional[str] = None
     """source: prepared: a directory written by `make prepare` (tools/prepare.py): the tokenized,
     packed splits, memory-mapped by every rank, and the tokenizer; training starts in seconds."""
@@ -188,7 +188,7 @@ class DataConfig:
     train_files: Optional[list[str]] = None
     mixture: Optional[list[MixtureSource]] = None
     """source: files, mlm: training data from several sources, sampled by weight: a list of {name, files, weight}
-    (bert_recipes/mixture.py). Each source holds out data.validation_split_percentage of its rows for evaluation,
+    (bert_recipes/data/mixture.py). Each source holds out data.validation_split_percentage of its rows for evaluation,
     reported per source (<name>/eval_loss) and overall; each runs its own passes over its rows (a source that runs
     out starts its next pass, with a line). The order is a function of the seed and the position in the run only: a
     resume seeks to it, on any process count. Replaces data.train_files and data.validation_files."""

@@ -3,7 +3,7 @@ classification.py) holding the whole kind behind one contract (bert_recipes/inte
 becomes model inputs, its collator, which head it trains on each architecture, its loss for the pipeline, its
 evaluation rows, metrics and predictions, its trial batch and its model card's words. A new kind is one file and
 one row. The rows are data and import nothing: config validation reads them before a launch, and the data layer
-(bert_recipes/sources.py) reads the sample files a kind trains on from its row."""
+(bert_recipes/data/sources.py) reads the sample files a kind trains on from its row."""
 from __future__ import annotations
 
 import importlib
@@ -21,14 +21,14 @@ class TaskKind:
     test_predictions: data.test_splits writes its predictions (a submission file);
     metrics: the evaluation's metric names (None: task.metrics, or its defaults by task.num_labels);
     sample: the embedded sample's files it trains on: (datasets builder, path under data.sample_dir with {split},
-      the splits there);
+      the splits there), or None: the sample has none for it (data.source=sample is refused in one line);
     pipeline_tag: the Hub's task tag for an export."""
     title: str
     masked_lm: bool
     labelled: bool
     test_predictions: bool
     metrics: tuple[str, ...] | None
-    sample: tuple[str, str, tuple[str, ...]]
+    sample: tuple[str, str, tuple[str, ...]] | None
     pipeline_tag: str
 
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..collate import _collate, documents_apart
+from ..data.collate import _collate, documents_apart
 from ..config import ConfigError, DataConfig, TaskConfig
 from ..metrics import compute_metrics, default_metrics, majority_baseline
-from ..tokenizing import map_splits, tokenizer_fingerprint
+from ..data.tokenizing import map_splits, tokenizer_fingerprint
 
 
 def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig):

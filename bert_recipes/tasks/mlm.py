@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ..batching import _seed_of
-from ..collate import SharedInt, _collate, documents_apart, random_bits, uniform_field
+from ..data.batching import _seed_of
+from ..data.collate import SharedInt, _collate, documents_apart, random_bits, uniform_field
 from ..config import DataConfig, TaskConfig
 from ..modeling import masked_lm_loss, per_sample_mlm_loss, slot_labels
-from ..tokenizing import map_splits, tokenizer_fingerprint
+from ..data.tokenizing import map_splits, tokenizer_fingerprint
 
 
 def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig):

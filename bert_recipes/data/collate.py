@@ -55,7 +55,7 @@ def documents_apart(batch: dict, unpad: bool, path: str | None) -> dict:
     if unpad:
         batch = unpadded(batch)
     if path == "varlen" and "document_ids" in batch:
-        from .attention import cu_seqlens
+        from ..attention import cu_seqlens
         batch["cu_seqlens"], batch["max_seqlen"] = cu_seqlens(batch["document_ids"])
     return batch
 

@@ -193,7 +193,7 @@ def source_mixture(data_cfg, data, seed: int, read: int) -> Mixture | None:
     full-size steps); None without data.mixture."""
     if not data_cfg.mixture:
         return None
-    from .config import ConfigError
+    from ..config import ConfigError
     names = [s.name for s in data_cfg.mixture]
     for name in names:
         for split, what in (("train", "training"), ("eval", "evaluation")):

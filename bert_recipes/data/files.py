@@ -24,7 +24,7 @@ import os
 import zlib
 from pathlib import Path
 
-from .config import ConfigError, DataConfig, first_line, path_kind
+from ..config import ConfigError, DataConfig, first_line, path_kind
 
 FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # suffix -> (what it is, the module fsspec/datasets decompress it with). Parquet compresses inside its own
@@ -68,7 +68,7 @@ def resolve_entries(entries: list[str], key: str) -> list[str]:
             continue
         if kind == "missing" and not contains_wildcards(entry):
             sample = Path(DataConfig.sample_dir)   # the embedded sample's place, which recipes may name
-            hint = (f" (the embedded sample's text: build it with python -m bert_recipes.sample {sample}, as make demo "
+            hint = (f" (the embedded sample's text: build it with python -m bert_recipes.data.sample {sample}, as make demo "
                     "does)") if Path(entry).parts[:len(sample.parts)] == sample.parts else ""
             raise ConfigError(f"{key}: data file not found: {entry}{hint}")
         base, pattern = (str(Path(entry).expanduser().resolve()), "**") if kind == "dir" else (cwd, os.path.expanduser(entry))
@@ -199,7 +199,7 @@ def same_files_on_every_rank(data: DataConfig, group) -> None:
     (names, sizes) are compared across the ranks, once, before any data is read: one line on every rank."""
     if data.source != "files" or group is None:
         return
-    from .ranks import spread
+    from ..ranks import spread
     files = sum(file_lists(data).values(), [])
     sizes = [Path(f).stat().st_size for f in files]
     digest = float(zlib.crc32(json.dumps(list(zip(files, sizes))).encode()))   # below 2**32: exact in float64

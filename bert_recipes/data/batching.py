@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 from torch.utils.data import Dataset
 
-from .config import DataConfig
+from ..config import DataConfig
 
 
 def _seed_of(*parts: int) -> int:
@@ -31,7 +31,7 @@ class LengthGroupedBatches:
                  order=None):
         self.lengths, self.batch_size, self.seed, self.step_batches = lengths, batch_size, seed, step_batches
         self.group = group
-        self.order = order   # epoch -> row ids (a data.mixture's: bert_recipes/mixture.py), else a seeded shuffle
+        self.order = order   # epoch -> row ids (a data.mixture's: bert_recipes/data/mixture.py), else a seeded shuffle
         self.epoch = 0
         self.sampler = self   # where Accelerate's DataLoaderShard.set_epoch looks for it
 
@@ -56,7 +56,7 @@ class LengthGroupedBatches:
 
 class Indexed(Dataset):
     """Adds each row's index as 'idx', which the MLM collator seeds its masking from. An index past the last row reads
-    row index mod rows (a data.mixture's later passes: bert_recipes/mixture.py), and keeps its own idx.
+    row index mod rows (a data.mixture's later passes: bert_recipes/data/mixture.py), and keeps its own idx.
 
     `__getitems__` reads a whole micro batch in one Arrow call (the DataLoader's fetcher uses it when
     it exists): row by row, a micro batch of 256 costs 256 table slices and conversions on the

@@ -1,17 +1,19 @@
-"""A run's data, end to end: raw text (bert_recipes/sources.py) -> tokenizer -> tokenized splits -> collator, the
-task kind's own (bert_recipes/tasks/<kind>.py: its tokenize and collator); rank 0 goes first (ranks.main_first);
-batching.py makes the batches."""
+"""A run's data, end to end: raw text (sources.py, beside this file) -> tokenizer (tokenizer.py) -> tokenized
+splits -> collator, the task kind's own (bert_recipes/tasks/<kind>.py: its tokenize and collator); rank 0 goes first
+(ranks.main_first); batching.py makes the batches. The modules of this package each hold one role of the data (text
+to batches); this file composes them for a run."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .config import DataConfig, TaskConfig, TokenizerConfig
-from .disk import full_disk_is_one_line, fullest
-from .mixture import joined_sources
-from .places import make_place
-from .ranks import main_first
-from .sources import get_tokenizer, load_prepared, load_raw
-from .tasks import kind_of
+from ..config import DataConfig, TaskConfig, TokenizerConfig
+from ..disk import full_disk_is_one_line, fullest
+from ..places import make_place
+from ..ranks import main_first
+from ..tasks import kind_of
+from .prepared import load_prepared
+from .sources import load_raw
+from .tokenizer import get_tokenizer
 
 
 def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, model_name_or_path: str | None,
@@ -41,12 +43,13 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
         raw = load_raw(data_cfg, task, seed)
     tokenizer = get_tokenizer(tok, model_name_or_path, raw["train"], data_cfg, output_dir / "tokenizer", is_main,
                               broadcast)
-    if data_cfg.mixture:   # each source tokenized (and packed) on its own, then joined (bert_recipes/mixture.py)
+    if data_cfg.mixture:   # each source tokenized (and packed) on its own, then joined (bert_recipes/data/mixture.py)
         raw = DatasetDict({k: v for k, v in raw.items() if "@" in k})
     with main_first(*first), full_disk_is_one_line(
             "the tokenized data cache", cache, 0, lambda: tokenized_bytes(raw, data_cfg.max_seq_length), DATA_THEN):
         data = kind_of(task.kind).tokenize(raw, tokenizer, task, data_cfg)
     if data_cfg.mixture:
+        from .mixture import joined_sources   # torch at import: not for the data modules a preflight reads
         data = joined_sources(data, [s.name for s in data_cfg.mixture])
     for line in kind_of(task.kind).notes(data, task) if is_main else []:
         print(line, flush=True)
@@ -59,7 +62,7 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
 def data_progress_bars(enabled: bool) -> None:
     """logging.progress_bar, for the data libraries, once per run: false turns datasets' bars off for the process
     (loading's "Generating train split", map's "tokenizing" and "packing into N-token blocks"), and with them the
-    tokenizer trainer's (sources.train_wordpiece reads the same switch), so a log file holds lines, not bars; true
+    tokenizer trainer's (tokenizer.train_wordpiece reads the same switch), so a log file holds lines, not bars; true
     leaves them as the library has them (on, unless HF_DATASETS_DISABLE_PROGRESS_BARS says otherwise)."""
     if not enabled:
         import datasets
