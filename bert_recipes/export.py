@@ -97,7 +97,9 @@ def model_card(recipe: dict, final: dict, backend: dict, tokens_seen: int) -> st
     base = recipe["model"]["name_or_path"] or "none: trained from scratch (randomly initialised)"
     data = {"sample": "the embedded sample (Python standard-library documentation)",
             "hub": f"{d['dataset_name']}" + (f" / {d['dataset_config']}" if d["dataset_config"] else ""),
-            "files": "; ".join(f"{m['name']} (weight {m['weight']:g}): {', '.join(m['files'])}" for m in d["mixture"])
+            "files": "; ".join(f"{m['name']} (weight {m['weight']:g}): " + (", ".join(m["files"]) if m["files"] else
+                               m["dataset_name"] + (f" / {m['dataset_config']}" if m.get("dataset_config") else "")
+                               + f" ({m.get('split') or 'train'})") for m in d["mixture"])
             if d.get("mixture") else ", ".join(d["train_files"] or [])}.get(d["source"], d["source"])
     skip = {"eval_samples", "steps", "first_train_loss", "last_train_loss", "wall_time_s", "num_processes",
             "eval_dataset_size", "backend", "rank_checksums", "peak_memory_gb_per_rank", "distributed_type",

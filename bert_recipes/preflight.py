@@ -54,11 +54,13 @@ def check_paths(cfg: Config) -> list[str]:
         if name and looks_local(name) and not Path(name).expanduser().is_dir():
             raise ConfigError(f"{key}={name}: cannot load it: no such directory (give a Hugging Face model directory, "
                               "such as an export's model/, or a Hub name)")
-    name = cfg.data.dataset_name
-    if cfg.data.source == "hub" and name and looks_local(name) and not Path(name).expanduser().is_dir():
-        raise ConfigError(f"data.dataset_name={name}: no such directory (a dataset on the Hub is named `name` or "
-                          "`org/name`; a local one is a directory that datasets.load_dataset reads, or data files: "
-                          "data.source=files with data.train_files)")
+    named = ([("data.dataset_name", cfg.data.dataset_name)] if cfg.data.source == "hub" else []) + [
+        (f"data.mixture[{i}].dataset_name", s.dataset_name) for i, s in enumerate(cfg.data.mixture or [])]
+    for key, name in named:
+        if name and looks_local(name) and not Path(name).expanduser().is_dir():
+            raise ConfigError(f"{key}={name}: no such directory (a dataset on the Hub is named `name` or "
+                              "`org/name`; a local one is a directory that datasets.load_dataset reads, or data "
+                              "files: data.source=files with data.train_files, or a mixture source's files)")
     notes = []
     if cfg.data.source == "files":   # the checkpoint's lists: a resume reads the files its run read
         notes = resolve_into(cfg.data, _resumed_files(cfg))

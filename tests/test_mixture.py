@@ -143,6 +143,12 @@ def test_bad_mixtures_are_one_line(tmp_path, sample_dir, datasets_cache, shared_
          "data.mixture and data.train_files / data.validation_files are both set"),
         ("[{name: a, files: [" + f"{sample_dir}/pretrain/nothing.txt" + "]}]", {},
          "data.mixture[0].files: data file not found"),
+        ("[{name: a, files: [" + reference + "], dataset_name: " + str(tmp_path) + "}]", {},
+         "data.mixture[0] (source a) gives both files and dataset_name"),
+        ("[{name: a, files: [" + reference + "], split: train}]", {},
+         "data.mixture[0].split (source a) is for a dataset source"),
+        ("[{name: a, dataset_name: " + f"{tmp_path}/nowhere" + "}]", {},
+         f"data.mixture[0].dataset_name={tmp_path}/nowhere: no such directory"),
     ]
     for given, extra, said in cases:
         argv = [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
@@ -195,3 +201,39 @@ def test_a_resume_reads_the_shards_each_source_read(tmp_path, sample_dir, datase
     printed = capsys.readouterr().out
     assert "[resume] data.mixture[0].files:" in printed and "the resume reads that run's 3 files" in printed, printed
     assert resumed["mixture"] == full["mixture"] and resumed["eval_loss"] == full["eval_loss"]
+
+
+def test_a_dataset_source_mixes_with_files_and_resumes_exactly(tmp_path, sample_dir, datasets_cache, shared_tokenizer,
+                                                                capsys):
+    """A mixture source read as a dataset (dataset_name: a local directory datasets.load_dataset reads, its split)
+    beside a file source: the run reports both; halted at step 4 and resumed, it ends as the uninterrupted run; a
+    split it lacks is one line; its file rewritten (the same size) before a resume is one line naming it, and the
+    run's checkpoints stay as they were."""
+    lines = (sample_dir / "pretrain/reference.txt").read_text().splitlines()
+    (tmp_path / "ds").mkdir()
+    rows = [{"text": line} for line in lines if line.strip()][:200]
+    (tmp_path / "ds/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sources = (f"[{{name: ref, dataset_name: {tmp_path}/ds, weight: 1}}, "
+               f"{{name: docstrings, files: [{sample_dir}/pretrain/docstrings.txt], weight: 1}}]")
+    args = lambda name, **more: tiny_args(tmp_path / name, sample_dir, datasets_cache, **{  # noqa: E731
+        "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.mixture": sources,
+        "data.max_train_samples": 80, "train.max_steps": 8, "checkpoint.save_every": 4,
+        "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0, **more})
+    full = run_in_process(args("full"))
+    assert {"ref/eval_loss", "docstrings/eval_loss"} <= set(full) and full["mixture"]["ref"]["sequences"] > 0
+    run_in_process(args("split", **{"train.halt_at_step": 4}))
+    resumed = run_in_process(args("split", **{"checkpoint.resume": "auto"}))
+    assert resumed["mixture"] == full["mixture"] and resumed["eval_loss"] == full["eval_loss"]
+    assert resumed["last_train_loss"] == full["last_train_loss"]
+    missing = sources.replace("weight: 1}, ", "split: dev, weight: 1}, ", 1)
+    said = refused_in_process([f"--{a}" for a in tiny_args(tmp_path / "dev", sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.mixture": missing})], tmp_path, capsys)
+    assert "data.mixture[0].split='dev' (source ref) is not a split of" in said
+    run_in_process(args("changed", **{"train.halt_at_step": 4}))
+    data = (tmp_path / "ds/train.jsonl").read_bytes()
+    (tmp_path / "ds/train.jsonl").write_bytes(data[:-3] + b"X" + data[-2:])   # one byte, the same size
+    before = sorted(p.name for p in (tmp_path / "changed/checkpoints").iterdir())
+    said = refused_in_process([f"--{a}" for a in args("changed", **{"checkpoint.resume": "auto"})], tmp_path / "changed",
+                              capsys)
+    assert f"data.mixture[0].dataset_name: {tmp_path}/ds/train.jsonl changed since" in said, said
+    assert sorted(p.name for p in (tmp_path / "changed/checkpoints").iterdir()) == before

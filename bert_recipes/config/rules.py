@@ -217,7 +217,8 @@ def check_mask_rate(cfg: Config) -> None:
 
 
 def check_mixture(cfg: Config) -> None:
-    """data.mixture: pretraining from local files, each source named once, with files and a positive, finite weight;
+    """data.mixture: pretraining from several sources, each named once, with files or a dataset (not both) and a
+    positive, finite weight;
     in place of data.train_files and data.validation_files, and not from prepared data."""
     d = cfg.data
     if d.mixture is None:
@@ -231,7 +232,8 @@ def check_mixture(cfg: Config) -> None:
                           "sources are the training files, each holding out data.validation_split_percentage for "
                           "evaluation; give the files as sources of data.mixture and remove the others")
     if not d.mixture:
-        raise ConfigError("data.mixture is an empty list: give at least one {name, files, weight}, or remove it")
+        raise ConfigError("data.mixture is an empty list: give at least one {name, files, weight} (or {name, "
+                          "dataset_name, weight}), or remove it")
     seen = set()
     for i, source in enumerate(d.mixture):
         key = f"data.mixture[{i}]"
@@ -241,8 +243,16 @@ def check_mixture(cfg: Config) -> None:
         if source.name in seen:
             raise ConfigError(f"{key}.name={source.name!r} names two sources: give each its own name")
         seen.add(source.name)
-        if not source.files:
-            raise ConfigError(f"{key}.files is empty (source {source.name}): give its files, directories or patterns")
+        if source.files and source.dataset_name:
+            raise ConfigError(f"{key} (source {source.name}) gives both files and dataset_name={source.dataset_name}: "
+                              "a source reads one of them; make each its own source")
+        if not source.files and not source.dataset_name:
+            raise ConfigError(f"{key}.files is empty (source {source.name}): give its files, directories or patterns, "
+                              "or a dataset (dataset_name: a Hub name or a local directory)")
+        if source.files and (source.dataset_config or source.split):
+            given = "dataset_config" if source.dataset_config else "split"
+            raise ConfigError(f"{key}.{given} (source {source.name}) is for a dataset source (dataset_name), and this "
+                              "one reads files: remove it")
         if not (math.isfinite(source.weight) and source.weight > 0):
             raise ConfigError(f"{key}.weight={source.weight} (source {source.name}) must be positive and finite (the "
                               "weights are shares of the stream, relative to each other); remove a source to leave "

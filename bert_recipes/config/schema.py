@@ -166,12 +166,18 @@ class TokenizerConfig:
 
 @dataclass
 class MixtureSource:
-    """One source of data.mixture: its name (metrics and lines name it), its files (what data.train_files takes:
-    files, directories, glob patterns, compressed or not; resolved into the run's config) and its weight (the share of
-    the training stream it gets, relative to the other sources' weights)."""
+    """One source of data.mixture: its name (metrics and lines name it), its rows: either its files (what
+    data.train_files takes: files, directories, glob patterns, compressed or not; resolved into the run's config) or a
+    dataset (dataset_name, as data.dataset_name takes: a Hub name or a local directory datasets.load_dataset reads,
+    with dataset_config and its split), and its weight (the share of the training stream it gets, relative to the
+    other sources' weights)."""
     name: str = ""
     files: list[str] = field(default_factory=list)
     weight: float = 1.0
+    dataset_name: Optional[str] = None
+    dataset_config: Optional[str] = None
+    split: Optional[str] = None
+    """a dataset source's split it trains on (holding out data.validation_split_percentage of it); null: train"""
 
 
 @dataclass
@@ -187,9 +193,9 @@ class DataConfig:
     dataset_config: Optional[str] = None
     train_files: Optional[list[str]] = None
     mixture: Optional[list[MixtureSource]] = None
-    """source: files, mlm: training data from several sources, sampled by weight: a list of {name, files, weight}
-    (bert_recipes/data/mixture.py). Each source holds out data.validation_split_percentage of its rows for evaluation,
-    reported per source (<name>/eval_loss) and overall; each runs its own passes over its rows (a source that runs
+    """source: files, mlm: training data from several sources, sampled by weight: a list of {name, files, weight}, or
+    {name, dataset_name, dataset_config, split, weight} for a dataset (bert_recipes/data/mixture.py). Each source
+    holds out data.validation_split_percentage of its rows for evaluation, reported per source (<name>/eval_loss) and overall; each runs its own passes over its rows (a source that runs
     out starts its next pass, with a line). The order is a function of the seed and the position in the run only: a
     resume seeks to it, on any process count. Replaces data.train_files and data.validation_files."""
     validation_files: Optional[list[str]] = None

@@ -137,10 +137,24 @@ def resolve_files(entries: list[str], key: str) -> list[str]:
 
 def file_lists(data: DataConfig) -> dict[str, list[str]]:
     """Every list of files the run reads, by its key: data.train_files and data.validation_files, or each source's
-    (data.mixture[i].files)."""
+    (data.mixture[i].files; a dataset source has none)."""
     if data.mixture:
-        return {f"data.mixture[{i}].files": list(source.files) for i, source in enumerate(data.mixture)}
+        return {f"data.mixture[{i}].files": list(source.files) for i, source in enumerate(data.mixture)
+                if not source.dataset_name}
     return {key: list(value) for key, value in zip(FILE_KEYS, (data.train_files, data.validation_files)) if value}
+
+
+def dataset_files(name: str) -> list[str]:
+    """A dataset named by a local directory (a mixture's dataset source): the data files under it that datasets reads
+    (resolve_entries' directory rule, sorted by path); [] for a Hub name or a directory without such files (a
+    checkpoint records nothing of those)."""
+    from ..config import looks_local
+    if not (looks_local(name) or Path(name).expanduser().is_dir()):
+        return []
+    try:
+        return resolve_entries([name], "dataset_name")
+    except ConfigError:
+        return []
 
 
 def describe(files: list[str], key: str) -> str:
@@ -184,7 +198,7 @@ def resolve_into(data: DataConfig, checkpoint_files: dict[str, list | None] | No
                          "new run (another run.output_dir, or --run.overwrite=true)")
     if data.mixture:
         for i, source in enumerate(data.mixture):
-            source.files = resolved[f"data.mixture[{i}].files"]
+            source.files = resolved.get(f"data.mixture[{i}].files", source.files)   # a dataset source: none
         return notes
     check_kinds(sum(resolved.values(), []))
     data.train_files = resolved[FILE_KEYS[0]]

@@ -34,24 +34,34 @@ def read_sample(data: DataConfig, task: TaskConfig):
 
 
 def read_hub(data: DataConfig, task: TaskConfig):
-    """data.source=hub: data.dataset_name (and data.dataset_config) from the Hub or datasets' cache; the Hub out of
-    reach with nothing cached is one line. -> DatasetDict of its splits."""
+    """data.source=hub: data.dataset_name (and data.dataset_config) from the Hub or datasets' cache. -> DatasetDict of
+    its splits."""
+    return read_dataset(data.dataset_name, data.dataset_config, data, "data.dataset_name", "data.dataset_config")
+
+
+def read_dataset(name: str, config: str | None, data: DataConfig, name_key: str, config_key: str):
+    """A dataset by name (data.source=hub, a mixture's dataset source): a Hub name or a local directory
+    datasets.load_dataset reads, from the Hub or datasets' cache; the Hub out of reach with nothing cached is one line
+    naming the keys. -> DatasetDict of its splits."""
     import datasets
     try:
-        return datasets.load_dataset(data.dataset_name, data.dataset_config, cache_dir=data.cache_dir)
+        return datasets.load_dataset(name, config, cache_dir=data.cache_dir)
     except OSError as err:   # only the Hub out of reach with nothing cached; any other error is the library's
         if not hub_unreachable(err, datasets.config.HF_HUB_OFFLINE):
             raise
-        named = f"data.dataset_name={data.dataset_name}" + (f" (data.dataset_config={data.dataset_config})"
-                                                             if data.dataset_config else "")
+        named = f"{name_key}={name}" + (f" ({config_key}={config})" if config else "")
         cache = (f"{data.cache_dir} (data.cache_dir)" if data.cache_dir else
                  f"{datasets.config.HF_DATASETS_CACHE} (datasets' own: data.cache_dir is unset)")
+        fetch = ("run make prepare RECIPE=<this recipe> (it downloads into that cache and writes prepared data: then "
+                 "--data.source=prepared --data.prepared_dir=OUT)" if not data.mixture else   # prepare: no mixtures
+                 f"load it once into that cache (python -c \"import datasets; datasets.load_dataset('{name}'"
+                 + (f", '{config}'" if config else "") + (f", cache_dir='{data.cache_dir}'" if data.cache_dir else "")
+                 + ")\")")
         raise ConfigError(
             f"{named}: the Hub cannot be reached and the dataset is not in the cache {cache}; "
             f"{offline_note(datasets.config.HF_HUB_OFFLINE, ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE'))}: on a node "
-            "that reaches the Hub, run make prepare RECIPE=<this recipe> (it downloads into that cache and writes "
-            "prepared data: then --data.source=prepared --data.prepared_dir=OUT), or point data.cache_dir / "
-            "HF_HOME at shared storage that holds the download") from None
+            f"that reaches the Hub, {fetch}, or point data.cache_dir / HF_HOME at shared storage that holds the "
+            "download") from None
 
 
 def read_files(files: dict[str, list[str]], data: DataConfig, key_of, named: str):
@@ -158,16 +168,15 @@ def check_columns(train, data: DataConfig, task: TaskConfig, what: str) -> None:
 
 
 def load_mixture(data: DataConfig, task: TaskConfig, seed: int):
-    """data.mixture: each source read with its own format's builder, its evaluation share held out (seeded), cut to
-    data.max_train_samples / data.max_eval_samples rows, its text column checked. -> DatasetDict with each source's
+    """data.mixture: each source read by its kind (read_source: its files with their format's builder, or a
+    dataset's split), its evaluation share held out (seeded), cut to data.max_train_samples / data.max_eval_samples
+    rows, its text column checked. -> DatasetDict with each source's
     'train@<name>' and 'eval@<name>', and 'train' (every source's training rows, in the mixture's order: the
     tokenizer a run trains reads them). Files resolved in preflight (files.resolve_into)."""
     from datasets import DatasetDict, concatenate_datasets
     out = {}
     for i, source in enumerate(data.mixture):
-        key = f"data.mixture[{i}].files"
-        files = resolve_files(list(source.files), key)
-        train = read_files({"train": files}, data, lambda path: key, f"{key} (source {source.name})")["train"]
+        train, key = read_source(source, f"data.mixture[{i}]", data)
         train, evaluation = hold_out(train, data, seed, f"rows of source {source.name}",
                                      f"give source {source.name} more rows ({key})")
         train, evaluation = limited(train, evaluation, data, f"source {source.name}")
@@ -176,6 +185,21 @@ def load_mixture(data: DataConfig, task: TaskConfig, seed: int):
         out[f"eval@{source.name}"] = evaluation.select_columns([data.text_column])
     out["train"] = concatenate_datasets([out[f"train@{s.name}"] for s in data.mixture])
     return DatasetDict(out)
+
+
+def read_source(source, at: str, data: DataConfig) -> tuple:
+    """A mixture's source, by its kind: its files (read_files) or a dataset (read_dataset: its split, train unless
+    given). -> (its training rows, the key lines name it by)."""
+    if source.dataset_name:
+        key, split = f"{at}.dataset_name", source.split or "train"
+        raw = read_dataset(source.dataset_name, source.dataset_config, data, key, f"{at}.dataset_config")
+        if split not in raw:
+            raise ConfigError(f"{at}.split={split!r} (source {source.name}) is not a split of {source.dataset_name} "
+                              f"(splits: {list(raw)}): set {at}.split")
+        return raw[split], key
+    key = f"{at}.files"
+    files = resolve_files(list(source.files), key)
+    return read_files({"train": files}, data, lambda path: key, f"{key} (source {source.name})")["train"], key
 
 
 def texts(dataset, data: DataConfig, batch_size: int = 1000):
