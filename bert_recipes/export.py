@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .architectures import ARCHITECTURES
 from .config import CheckpointConfig, TaskConfig
 from .disk import disk_full
 from .ranks import print0, written_by_all
@@ -108,13 +109,14 @@ def model_card(recipe: dict, final: dict, backend: dict, tokens_seen: int) -> st
                          for k, v in final.items() if k not in skip and isinstance(v, (int, float)))
     kind = kind_of(job["kind"])
     task = kind.card_task(TaskConfig(**job))
+    arch = ARCHITECTURES[recipe["model"].get("architecture") or "bert"]   # its title and model type
     return f"""---
 library_name: transformers
-tags: [bert, bert-recipes, {TASKS[job["kind"]].pipeline_tag}]
+tags: [{arch.model_type}, bert-recipes, {TASKS[job["kind"]].pipeline_tag}]
 ---
 # {recipe["run"]["name"]}
 
-A BERT model trained with bert-recipes' `train.py`; `recipe.yaml` beside this card holds every setting of the
+A {arch.title} model trained with bert-recipes' `train.py`; `recipe.yaml` beside this card holds every setting of the
 run, resolved.
 
 | | |

@@ -34,9 +34,8 @@ def tiny(kind: str, attn: str = "sdpa", labels: int = 3, path: str | None = "mas
                       **ARCHITECTURES[arch])
     task = TaskConfig(kind=kind, num_labels=labels)
     config = model_config(cfg, task, vocab, 0)
-    # ModernBERT's initialisation (std 0.02, its output projections / sqrt(2 x layers)) leaves a tiny model's logits
-    # ~1e-4 from what attention adds: 0.2 makes the controls' differences large; a classifier's pooling (cls, mean)
-    for key, value in {**({"initializer_range": 0.2} if arch == "modernbert" else {}), **fields}.items():
+    # the architecture's tiny config values (its file's TINY_CONFIG), then the test's (a classifier's pooling)
+    for key, value in {**module(arch).TINY_CONFIG, **fields}.items():
         setattr(config, key, value)
     return build_model(cfg, task, config=config, attention_path=path).eval()
 
@@ -129,7 +128,7 @@ def padded_batch(lengths, labels):
     return _collate(rows, pad_id=0, pad_to_multiple_of=None, fixed_length=None)
 
 
-@pytest.mark.parametrize("arch, pooling", [("bert", None), ("modernbert", "cls"), ("modernbert", "mean")])
+@pytest.mark.parametrize("arch, pooling", [*((name, None) for name in TABLE), ("modernbert", "mean")])
 @pytest.mark.parametrize("num_labels", [3, 1])
 def test_unpadded_classification_gives_the_padded_logits_and_loss(num_labels, arch, pooling):
     """One row of four sequences' real tokens (data.unpad) against the padded batch: the pooled output's logits and

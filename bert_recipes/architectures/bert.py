@@ -17,6 +17,7 @@ EMBEDDING_ENTRIES = 5                                     # word, position, toke
 # A tiny model of this architecture that runs every kind of its layers: the recipe fields the tests give it beside
 # their own size (tests/test_attention.py); dropout off, so paths compare exactly.
 TINY = {"hidden_dropout_prob": 0.0}
+TINY_CONFIG: dict = {}   # ... and the config values they set on it: none
 
 
 def fresh_config(model_cfg, vocab_size: int, special: dict):

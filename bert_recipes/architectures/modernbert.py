@@ -27,6 +27,9 @@ LAYER_TYPE = {"global_rope_theta": "full_attention", "local_rope_theta": "slidin
 # A tiny model of this architecture that runs every kind of its layers: the recipe fields the tests give it beside
 # their own size (tests/test_attention.py): layer 0 global, layer 1 local with a reach of 4 tokens (local_attention 8).
 TINY = {"local_attention": 8, "global_attn_every_n_layers": 2}
+# ... and the config values they set on it: its initialisation (std 0.02, its output projections / sqrt(2 x layers))
+# leaves a tiny model's logits ~1e-4 from what attention adds; 0.2 makes the tests' controls' differences large
+TINY_CONFIG = {"initializer_range": 0.2}
 
 
 def fresh_config(model_cfg, vocab_size: int, special: dict):

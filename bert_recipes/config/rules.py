@@ -315,7 +315,8 @@ def validate(cfg: Config) -> None:
                           "weights: keep one (init_from: a run's checkpoint; name_or_path: an export or a Hub model)")
     from ..architectures import ARCHITECTURES
     for a, b in ARCHITECTURES[m.architecture].divisible if m.name_or_path is None else ():   # its row's relations
-        if getattr(m, a) % getattr(m, b):
+        if getattr(m, a) is not None and getattr(m, b) is not None and getattr(m, a) % getattr(m, b):   # unset: the
+            # architecture's default, which divides
             raise ConfigError(f"model.{a}={getattr(m, a)} is not divisible by model.{b}={getattr(m, b)}")
     if d.source == "sample" and TASKS[cfg.task.kind].sample is None:
         raise ConfigError(f"data.source=sample: the embedded sample has no data for task.kind={cfg.task.kind}; give "
