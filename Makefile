@@ -148,8 +148,8 @@ memory: setup  ## will it fit? per-device memory of RECIPE for every backend + v
 bench: setup  ## train.py vs transformers' Trainer on the same workload: tokens/s, ratios, MFU, memory, padding (ARGS="--size mini")
 	$(OFFLINE) $(PY) tools/bench.py $(ARGS)
 
-prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped by every rank; then --data.source=prepared --data.prepared_dir=OUT)
-	$(PY) tools/prepare.py --recipe $(RECIPE) --out $(or $(OUT),data/prepared/$(basename $(notdir $(RECIPE)))) $(ARGS)
+prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped by every rank; then --data.source=prepared --data.prepared_dir=OUT; STORE=1 WORKERS=N: a datatrove token store, then --data.source=store --data.store_dir=OUT)
+	$(PY) tools/prepare.py --recipe $(RECIPE) --out $(or $(OUT),data/prepared/$(basename $(notdir $(RECIPE)))) $(if $(STORE),--store) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
 
 downstream: setup  ## fine-tune and score every checkpoint export of RUN (pretrained with checkpoint.downstream): metrics.json, curves.png (CPU=1, CONFIG=, ARGS=)
 	$(PY) tools/downstream.py $(or $(RUN),$(RUNS)/tiny-mlm) $(if $(CONFIG),--config $(CONFIG)) $(if $(CPU),--cpu) $(ARGS)

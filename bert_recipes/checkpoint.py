@@ -266,12 +266,14 @@ def data_record(data: DataConfig) -> dict:
     """What a checkpoint records of the data files it was trained on (train_state.json's data_files): each file's size
     and a digest of sampled blocks (files.data_fingerprint), by key: every resolved list of data.source=files
     (files.file_lists), or data.source=prepared's manifest (prepared.json: make prepare writes it anew, with the
-    files' list and the store's counts). A mixture's dataset source that is a local directory records the data files
+    files' list and the store's counts), or data.source=store's manifest (store.json: its shards' counts). A mixture's dataset source that is a local directory records the data files
     under it (data.mixture[i].dataset_name: files.dataset_files). The sample and the Hub record none."""
     from .data.files import SAMPLING, data_fingerprint, dataset_files, file_lists
     from .data.prepared import PREPARED_META
+    from .data.store import STORE_META
     lists = (file_lists(data) if data.source == "files" else
-             {"data.prepared_dir": [str(Path(data.prepared_dir) / PREPARED_META)]} if data.source == "prepared" else {})
+             {"data.prepared_dir": [str(Path(data.prepared_dir) / PREPARED_META)]} if data.source == "prepared" else
+             {"data.store_dir": [str(Path(data.store_dir) / STORE_META)]} if data.source == "store" else {})
     for i, source in enumerate(data.mixture or []):
         found = dataset_files(source.dataset_name) if source.dataset_name else []
         if found:

@@ -27,6 +27,7 @@ from .data.files import FILE_KEYS, resolve_into
 from .places import check_path_names, check_writable_dir, unwritable_default
 from .run_dir import check_output_dir
 from .data.prepared import check_prepared_dir
+from .data.store import check_store_dir
 
 
 def path_values(cfg: Config, kinds: tuple[str, ...]) -> list[tuple[str, object]]:
@@ -66,6 +67,8 @@ def check_paths(cfg: Config) -> list[str]:
         notes = resolve_into(cfg.data, _resumed_files(cfg))
     if cfg.data.source == "prepared":
         check_prepared_dir(cfg.data)
+    if cfg.data.source == "store":
+        check_store_dir(cfg.data.store_dir)
     check_resume_path(cfg.checkpoint.resume)
     check_downstream(cfg.checkpoint.downstream, cfg.task.kind, cfg.model)   # can its recipe fine-tune this model?
     return notes

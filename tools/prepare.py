@@ -5,6 +5,13 @@ data.source=prepared then starts training in seconds instead of tokenizing again
     make prepare RECIPE=recipes/bert-base-mlm-phase1.yaml OUT=data/prepared/phase1
     # then: --data.source=prepared --data.prepared_dir=data/prepared/phase1 (any backend, any world size)
     python tools/prepare.py --make-corpus data/corpus-1g.txt --size 1G   # a generated corpus to measure on
+    python tools/prepare.py --recipe R --out data/store/x --store --workers 16   # a token store (datatrove), for MLM
+    make prepare RECIPE=R OUT=data/store/x STORE=1 WORKERS=16
+    # then: --data.source=store --data.store_dir=data/store/x
+
+--store writes a token store instead (bert_recipes/data/store.py): datatrove tokenizes the training files, one task
+a file on --workers processes, into flat token files and their documents' boundaries; run again after a kill, it
+skips the finished files and gives the same bytes. Its free disk is checked first.
 
 Everything streams through `datasets.map` in batches, written to disk as it goes, so the peak memory
 stays bounded whatever the corpus size (measured in docs/data.md: "Preparing a corpus"). The tokenizer
@@ -14,6 +21,7 @@ a run must match.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -141,6 +149,49 @@ def prepare(cfg, out: Path) -> dict:
     return meta
 
 
+STORE_BYTES_PER_TEXT_BYTE = 1.0   # a uint16 store of English text and its index: 0.74 measured on the sample (tools
+# /prepare.py --store: 610,723 tokens, 1.22 MB of ids and 63 KB of index for 1.66 MB of text); 1.0 leaves a margin
+
+
+def prepare_store(cfg, out: Path, workers: int) -> dict:
+    """data.train_files -> a token store at `out` (bert_recipes/data/store.py), with the recipe's tokenizer beside it;
+    the disk's free space is checked against the estimate before any work."""
+    from bert_recipes.config import nearest_existing
+    from bert_recipes.data.store import check_same_preparation, write_store
+    from bert_recipes.data.files import check_kinds
+    from bert_recipes.data.tokenizing import vocabulary_fingerprint
+    from bert_recipes.places import make_place
+    named = cfg.tokenizer.name_or_path or cfg.model.name_or_path
+    if not named:
+        raise ConfigError("a token store is tokenized with the run's tokenizer: set tokenizer.name_or_path (or "
+                          "model.name_or_path); make prepare without STORE=1 trains one")
+    if cfg.data.source != "files" or cfg.data.validation_files:
+        raise ConfigError("a token store holds data.train_files (data.source=files), its last blocks held out for "
+                          "evaluation: set data.source=files and leave data.validation_files out")
+    files = list(cfg.data.train_files)
+    builder = check_kinds(files)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(named)
+    size = 2 if len(tokenizer) < 2 ** 16 else 4   # datatrove's token size (store.token_bytes)
+    text_bytes = sum(os.path.getsize(f) for f in files)
+    needed = text_bytes * STORE_BYTES_PER_TEXT_BYTE * size / 2
+    free = shutil.disk_usage(nearest_existing(out)).free   # before anything is written
+    if free < needed:
+        raise ConfigError(f"--out {out}: {free / 1e9:.2f} GB free, and a store of {text_bytes / 1e9:.2f} GB of text "
+                          f"needs about {needed / 1e9:.2f} GB ({STORE_BYTES_PER_TEXT_BYTE} byte a byte of text at "
+                          f"{size} bytes a token): free space there, or give another --out")
+    check_same_preparation(out, files, vocabulary_fingerprint(tokenizer), cfg.data.text_column)
+    make_place("--out", str(out))
+    tokenizer.save_pretrained(out / "tokenizer")
+    t0 = time.perf_counter()
+    log = out / "prepare.log"   # datatrove's own lines (a line a task, its stats): the terminal gets one line
+    with open(log, "a") as quiet, contextlib.redirect_stderr(quiet):
+        meta = write_store(files, out, out / "tokenizer", cfg.data.text_column, builder, workers,
+                           vocabulary_fingerprint(tokenizer))
+    meta["seconds"] = round(time.perf_counter() - t0, 1)
+    return meta
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", help="the recipe whose data, tokenizer and sequence settings to use")
@@ -148,6 +199,8 @@ def main(argv=None) -> int:
     parser.add_argument("--make-corpus", help="instead: write a generated corpus to this file")
     parser.add_argument("--size", default="1G", help="of the generated corpus: 256M, 1G, ...")
     parser.add_argument("--sample-dir", default="data/sample")
+    parser.add_argument("--store", action="store_true", help="write a token store (datatrove) instead")
+    parser.add_argument("--workers", type=int, default=1, help="--store: processes (a task a file)")
     args, overrides = parser.parse_known_args(argv)
     if args.make_corpus:
         n = make_corpus(Path(args.make_corpus), args.size, Path(args.sample_dir))
@@ -165,6 +218,12 @@ def main(argv=None) -> int:
                               "once and reads datasets' cache after): train from the sources (data.source=files)")
         for line in resolve_into(cfg.data):   # patterns and directories: the files, as a run resolves them
             print(line, flush=True)
+        if args.store:
+            meta = prepare_store(cfg, Path(args.out), args.workers)
+            print(f"[prepare] {args.out}: a token store of {meta['tokens']:,} tokens in {meta['documents']:,} documents "
+                  f"({meta['dtype']}, {len(meta['shards'])} shards) in {meta['seconds']}s; train with "
+                  f"--data.source=store --data.store_dir={args.out}")
+            return 0
         meta = prepare(cfg, Path(args.out))
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)

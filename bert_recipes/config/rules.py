@@ -82,6 +82,7 @@ PATH_KEYS = {
     "model.name_or_path": "read dir or hub",
     "tokenizer.name_or_path": "read dir or hub",
     "data.prepared_dir": "read dir",
+    "data.store_dir": "read dir",
     "data.train_files": "read files",
     "data.validation_files": "read files",
     "data.cache_dir": "write dir",
@@ -325,6 +326,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.source=hub needs data.dataset_name (e.g. wikitext or glue)")
     if d.source == "prepared" and not d.prepared_dir:
         raise ConfigError("data.source=prepared needs data.prepared_dir (a directory written by make prepare)")
+    if d.source == "store" and not d.store_dir:
+        raise ConfigError("data.source=store needs data.store_dir (a directory written by make prepare STORE=1)")
+    if d.source == "store" and not (TASKS[cfg.task.kind].masked_lm and d.packing):
+        raise ConfigError(f"data.source=store holds packed MLM blocks: it needs task.kind=mlm and data.packing=true "
+                          f"(now task.kind={cfg.task.kind}, data.packing={d.packing}); train from data.source=files")
     if d.source == "files" and not d.train_files and d.mixture is None:
         raise ConfigError("data.source=files needs data.train_files (or data.mixture: sources by weight)")
     row = TASKS[cfg.task.kind]

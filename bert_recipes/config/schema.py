@@ -182,13 +182,18 @@ class MixtureSource:
 
 @dataclass
 class DataConfig:
-    source: Literal["sample", "hub", "files", "prepared"] = "sample"
+    source: Literal["sample", "hub", "files", "prepared", "store"] = "sample"
     """sample: the embedded stdlib-docs sample. hub: datasets.load_dataset(dataset_name, dataset_config).
     files: local train_files / validation_files (text, json/jsonl, csv or parquet; plain or .gz/.bz2/.xz; each entry a
-    file, a directory or a glob pattern, resolved into the run's config: bert_recipes/data/files.py)."""
+    file, a directory or a glob pattern, resolved into the run's config: bert_recipes/data/files.py). store: a token
+    store (store_dir) for MLM pretraining on a large corpus."""
     prepared_dir: Optional[str] = None
     """source: prepared: a directory written by `make prepare` (tools/prepare.py): the tokenized,
     packed splits, memory-mapped by every rank, and the tokenizer; training starts in seconds."""
+    store_dir: Optional[str] = None
+    """source: store: a token store written by `make prepare STORE=1` (datatrove: flat token files and their documents'
+    boundaries, bert_recipes/data/store.py): packed MLM blocks memory-mapped from it, the last
+    validation_split_percentage of them held out for evaluation; the tokenizer beside it."""
     dataset_name: Optional[str] = None
     dataset_config: Optional[str] = None
     train_files: Optional[list[str]] = None

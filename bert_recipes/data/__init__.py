@@ -29,6 +29,15 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     if data_cfg.source == "prepared":
         tokenizer, data, test_index = load_prepared(data_cfg, task, tok, model_name_or_path)
         return tokenizer, data, kind_of(task.kind).collator(data_cfg, task, seed, tokenizer, fixed_length), test_index
+    if data_cfg.source == "store":   # packed MLM blocks, memory-mapped: nothing is tokenized or copied here
+        from transformers import AutoTokenizer
+
+        from .store import check_store_dir, store_splits
+        tokenizer = AutoTokenizer.from_pretrained(str(check_store_dir(data_cfg.store_dir) / "tokenizer"))
+        data = store_splits(data_cfg.store_dir, data_cfg.max_seq_length, tokenizer.all_special_ids,
+                            data_cfg.document_mask, data_cfg.validation_split_percentage, data_cfg.max_train_samples,
+                            data_cfg.max_eval_samples)
+        return tokenizer, data, kind_of(task.kind).collator(data_cfg, task, seed, tokenizer, fixed_length), {}
     cache = data_cache(data_cfg)
     if is_main:   # the places the user named: an OSError creating one is one line naming the key
         for key, place in (("data.cache_dir", data_cfg.cache_dir),

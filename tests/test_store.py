@@ -1,0 +1,166 @@
+"""The token store (data.source=store, bert_recipes/data/store.py): `make prepare STORE=1` tokenizes a FineWeb-shaped
+tree of parquet shards with datatrove on 2 worker processes into flat token files whose ids are the tokenizer's own
+for every document, cuts a document of megabytes into pieces, checks the disk first, and finishes a preparation killed
+with SIGKILL with the same bytes as an uninterrupted one; training memory-maps it, and a halt on 2 processes resumed
+on 1 ends as the uninterrupted run; a wrong store is one line."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_same_weights, launch, refused_in_process, run_in_process, tiny_args
+
+TOL = 1e-5   # fp32, dropout off: another process count sums in another order
+LONG = 2_300_000   # characters of one document: cut into 3 pieces (store.LONGEST_DOCUMENT_CHARS = 1,000,000)
+
+
+def parquet_tree(root: Path, sample_dir: Path, shards: int = 3, long_document: bool = True) -> list[Path]:
+    """data/CC-MAIN-*/000_0000N.parquet as FineWeb ships it: a text column among others, documents of several lines
+    of the sample; the last shard ends with one document of LONG characters on one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    lines = [line for line in (sample_dir / "pretrain/reference.txt").read_text().splitlines() if line.strip()]
+    documents = [" ".join(lines[i:i + 5]) for i in range(0, len(lines), 5)]
+    paths = []
+    for shard in range(shards):
+        texts = documents[shard::shards]
+        if long_document and shard == shards - 1:
+            texts = texts + [(" ".join(lines) + " ") * (LONG // len(" ".join(lines)) + 1)][:1]
+            texts[-1] = texts[-1][:LONG]
+        table = pa.table({"text": texts, "id": [f"<urn:{shard}:{i}>" for i in range(len(texts))],
+                          "dump": [f"CC-MAIN-2024-1{shard % 2}"] * len(texts), "token_count": [0] * len(texts)})
+        path = root / f"data/CC-MAIN-2024-1{shard % 2}/000_0000{shard}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path)
+        paths.append(path)
+    return paths
+
+
+def prepare(out: Path, files, tokenizer, workers: int = 2, **popen) -> subprocess.CompletedProcess | subprocess.Popen:
+    argv = [sys.executable, "tools/prepare.py", "--recipe", "recipes/tiny-mlm.yaml", "--out", str(out), "--store",
+            "--workers", str(workers), "--data.source=files", f"--data.train_files=[{','.join(map(str, files))}]",
+            f"--tokenizer.name_or_path={tokenizer}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    if popen:
+        return subprocess.Popen(argv, cwd=REPO, env=env, **popen)
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, sample_dir, shared_tokenizer):
+    """A store of the parquet tree, prepared on 2 worker processes. -> (its directory, the input files)."""
+    root = tmp_path_factory.mktemp("store")
+    files = parquet_tree(root, sample_dir)
+    done = prepare(root / "store", files, shared_tokenizer)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[prepare]" in done.stdout and "a token store of" in done.stdout
+    return root / "store", files
+
+
+def test_a_store_holds_the_tokenizers_ids_for_every_document(store, shared_tokenizer):
+    """Each shard is its input file's documents in order, each as the tokenizer itself encodes it ([CLS] ... [SEP]),
+    in uint16 with each document's end in the index; the manifest counts them; the document of LONG characters is
+    cut at spaces into 3 pieces whose words are the whole document's."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+    root, files = store
+    tokenizer = AutoTokenizer.from_pretrained(shared_tokenizer)
+    meta = json.loads((root / "store.json").read_text())
+    assert meta["dtype"] == "uint16" and len(meta["shards"]) == 3 and meta["text_column"] == "text"
+    for shard, path in zip(meta["shards"], files):
+        assert shard["input"] == str(path) and shard["input_bytes"] == path.stat().st_size
+        tokens = np.fromfile(root / shard["file"], dtype="<u2")
+        ends = np.fromfile(root / f"{shard['file']}.index", dtype="<u8")
+        assert (shard["tokens"], shard["documents"]) == (len(tokens), len(ends)) and ends[-1] == len(tokens)
+        texts = pq.read_table(path, columns=["text"])["text"].to_pylist()
+        short = [t for t in texts if len(t) < LONG]
+        expected = [i for t in short for i in tokenizer(t)["input_ids"]]
+        assert tokens[:len(expected)].tolist() == expected
+    last = np.fromfile(root / meta["shards"][-1]["file"], dtype="<u2")
+    ends = np.fromfile(root / f"{meta['shards'][-1]['file']}.index", dtype="<u8")
+    pieces = [last[a:b] for a, b in zip(ends[-4:-1], ends[-3:])]   # the long document's 3 pieces
+    assert meta["shards"][-1]["documents"] == len(short) + 3
+    words = [i for p in pieces for i in p[1:-1].tolist()]   # each piece without its [CLS] and [SEP]
+    whole = pq.read_table(files[-1], columns=["text"])["text"].to_pylist()[-1]
+    assert words == tokenizer(whole, add_special_tokens=False)["input_ids"]
+    assert meta["tokens"] == sum(s["tokens"] for s in meta["shards"]) and meta["vocabulary"]
+
+
+def test_a_killed_preparation_finishes_with_the_same_bytes(tmp_path, sample_dir, shared_tokenizer):
+    """8 shards on 1 worker, killed with SIGKILL once 2 are done: no manifest; run again, it skips the finished
+    tasks and its files are byte for byte those of an uninterrupted preparation."""
+    files = parquet_tree(tmp_path, sample_dir, shards=8, long_document=False)
+    proc = prepare(tmp_path / "cut", files, shared_tokenizer, workers=1, start_new_session=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = tmp_path / "cut/logs/completions"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (done.is_dir() and len(list(done.iterdir())) >= 2):
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = len(list(done.iterdir()))
+    assert 2 <= finished < 8 and not (tmp_path / "cut/store.json").exists(), finished
+    again = prepare(tmp_path / "cut", files, shared_tokenizer, workers=1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    whole = prepare(tmp_path / "whole", files, shared_tokenizer, workers=1)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    cut, full = (sorted((tmp_path / d / "tokens").iterdir()) for d in ("cut", "whole"))
+    assert [p.name for p in cut] == [p.name for p in full] and len(cut) == 16
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(cut, full))
+    meta = [json.loads((tmp_path / d / "store.json").read_text()) for d in ("cut", "whole")]
+    assert meta[0]["shards"] == meta[1]["shards"]
+
+
+def test_a_run_trains_from_the_store_and_resumes_on_another_process_count(tmp_path, store, sample_dir, datasets_cache):
+    """DDP on 2 processes from the store, documents apart (data.document_mask): the loss goes down; halted at step 4
+    and resumed on 1 process, it ends with the uninterrupted run's weights within 1e-5."""
+    root, _ = store
+    args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **{  # noqa: E731
+        "data.source": "store", "data.store_dir": str(root), "data.document_mask": True, "train.max_steps": 8,
+        "checkpoint.save_every": 4, "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0,
+        "data.max_train_samples": 400, **more})
+    full = launch(2, args(tmp_path / "full"))
+    assert full["final"]["num_processes"] == 2 and full["final"]["backend"]["name"] == "ddp"
+    losses = [row["loss"] for row in full["history"]["train"]]
+    assert losses[-1] < losses[0]
+    launch(2, args(tmp_path / "split", **{"train.halt_at_step": 4}))
+    one = launch(1, args(tmp_path / "split", **{"checkpoint.resume": "auto"}))
+    assert one["final"]["num_processes"] == 1 and one["final"]["steps"] == 8
+    assert_same_weights(tmp_path / "full/model/model.safetensors", tmp_path / "split/model/model.safetensors", TOL)
+
+
+def test_a_wrong_store_is_one_line(tmp_path, store, sample_dir, datasets_cache, shared_tokenizer, capsys, tmpfs):
+    """A store_dir without a manifest (a preparation cut off), a store that changed under a resume, a preparation
+    started again with other files, and a disk too small for the estimate: each one line, nothing written."""
+    root, files = store
+    (tmp_path / "cut").mkdir()
+    said = refused_in_process([f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{
+        "data.source": "store", "data.store_dir": str(tmp_path / "cut")})], tmp_path, capsys)
+    assert f"data.store_dir={tmp_path / 'cut'} holds no token store (store.json missing" in said
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for item in ("store.json", "tokenizer", "tokens"):
+        os.symlink(root / item, copy / item)
+    args = lambda **more: tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{  # noqa: E731
+        "data.source": "store", "data.store_dir": str(copy), "train.max_steps": 4, "checkpoint.save_every": 2, **more})
+    run_in_process(args(**{"train.halt_at_step": 2}))
+    (copy / "store.json").unlink()
+    meta = json.loads((root / "store.json").read_text())
+    (copy / "store.json").write_text(json.dumps({**meta, "documents": meta["documents"] + 1}))
+    said = refused_in_process([f"--{a}" for a in args(**{"checkpoint.resume": "auto"})], tmp_path / "run", capsys)
+    assert f"data.store_dir: {copy}/store.json changed since step_00000002" in said, said
+    other = prepare(root, files[:2], shared_tokenizer)
+    assert other.returncode == 2 and "holds a preparation of other files or with another tokenizer" in other.stderr
+    small = tmpfs(64 * 1024)
+    before = sorted(small.iterdir())
+    full = prepare(small / "store", files, shared_tokenizer)
+    assert full.returncode == 2 and f"--out {small / 'store'}: " in full.stderr and "GB free" in full.stderr
+    assert sorted(small.iterdir()) == before
