@@ -132,8 +132,10 @@ class AccelerateEngine:
                                            step_batches=t.global_batch_size // t.micro_batch_size,
                                            order=mixture.order if mixture else None)
             train_loader = DataLoader(Indexed(data["train"]), batch_sampler=batches, **kwargs)
-        elif mixture is not None:   # data.mixture: the sources' order (bert_recipes/data/mixture.py)
-            train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, sampler=MixedOrder(mixture),
+        elif mixture is not None or hasattr(data["train"], "training_order"):   # the sources' order (data.mixture:
+            # bert_recipes/data/mixture.py), or the split's own (a token store's: data/store.py)
+            order = MixedOrder(mixture) if mixture is not None else data["train"].training_order(self.seed)
+            train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, sampler=order,
                                       drop_last=True, **kwargs)
         else:
             train_loader = DataLoader(Indexed(data["train"]), batch_size=t.micro_batch_size, shuffle=True,

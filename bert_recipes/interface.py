@@ -51,7 +51,9 @@ class Engine(Protocol):
 
     def prepare(self, module: torch.nn.Module, optimizer, scheduler, data: dict, collate, mixture=None) -> None:
         """Hand module, optimizer, schedule and loaders to the backend; the training loader reads `mixture`'s order
-        (data.mixture: bert_recipes/mixture.Mixture) when given, else a seeded shuffle of (seed, epoch)."""
+        (data.mixture: bert_recipes/data/mixture.Mixture) when given, else the training split's own
+        (`training_order(seed)`: a token store's, bert_recipes/data/store.py) where it has one, else a seeded shuffle
+        of (seed, epoch)."""
 
     def describe(self) -> dict:
         """What really engaged (backend, sharding, stages, dtypes): the [backend] line and metrics.json."""

@@ -60,7 +60,7 @@ def extra_evaluations(task: TaskConfig, engine, data) -> dict:
 
 
 def evaluate_sources(task: TaskConfig, engine, data, mixture) -> dict:
-    """data.mixture's evaluation (bert_recipes/mixture.Mixture): each source's rows on their own, and all of them
+    """data.mixture's evaluation (bert_recipes/data/mixture.Mixture): each source's rows on their own, and all of them
     together: the overall metrics, and each source's as <name>/<metric>. Every row is evaluated once."""
     import numpy as np
     metrics = kind_of(task.kind).metrics

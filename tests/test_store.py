@@ -121,7 +121,8 @@ def test_a_killed_preparation_finishes_with_the_same_bytes(tmp_path, sample_dir,
 
 def test_a_run_trains_from_the_store_and_resumes_on_another_process_count(tmp_path, store, sample_dir, datasets_cache):
     """DDP on 2 processes from the store, documents apart (data.document_mask): the loss goes down; halted at step 4
-    and resumed on 1 process, it ends with the uninterrupted run's weights within 1e-5."""
+    and resumed on 1 process, it ends with the uninterrupted run's weights within 1e-5. DeepSpeed's pipeline (2
+    stages) trains from it too, through the store's order."""
     root, _ = store
     args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **{  # noqa: E731
         "data.source": "store", "data.store_dir": str(root), "data.document_mask": True, "train.max_steps": 8,
@@ -135,6 +136,9 @@ def test_a_run_trains_from_the_store_and_resumes_on_another_process_count(tmp_pa
     one = launch(1, args(tmp_path / "split", **{"checkpoint.resume": "auto"}))
     assert one["final"]["num_processes"] == 1 and one["final"]["steps"] == 8
     assert_same_weights(tmp_path / "full/model/model.safetensors", tmp_path / "split/model/model.safetensors", TOL)
+    piped = launch(2, args(tmp_path / "piped", **{"data.document_mask": False}), backend="pipeline")   # its own order
+    assert piped["final"]["num_processes"] == 2 and piped["final"]["backend"]["pipeline_stages"] == 2
+    assert piped["final"]["steps"] == 8 and np.isfinite(piped["final"]["eval_loss"])
 
 
 def test_a_wrong_store_is_one_line(tmp_path, store, sample_dir, datasets_cache, shared_tokenizer, capsys, tmpfs):
@@ -164,3 +168,28 @@ def test_a_wrong_store_is_one_line(tmp_path, store, sample_dir, datasets_cache, 
     full = prepare(small / "store", files, shared_tokenizer)
     assert full.returncode == 2 and f"--out {small / 'store'}: " in full.stderr and "GB free" in full.stderr
     assert sorted(small.iterdir()) == before
+
+
+def test_the_stores_order_is_computed_from_the_position():
+    """The training order over a store's blocks (batching.PermutedOrder): each epoch every block once, in an order
+    of its own that a seed fixes; position k of an epoch computed alone equals the k-th row of the whole epoch (a
+    resume seeks); the sampler holds no list of the blocks. Control: another seed gives another order."""
+    import tracemalloc
+
+    from bert_recipes.data.batching import PermutedOrder
+    for n in (1, 2, 7, 1000, 65537):
+        assert sorted(PermutedOrder(n, 3)) == list(range(n)), n
+    order = PermutedOrder(5000, 3)
+    first = list(order)
+    order.set_epoch(1)
+    second = list(order)
+    assert first != second and sorted(second) == list(range(5000))
+    order.set_epoch(0)
+    assert order.permute(np.arange(2500, 2600)).tolist() == first[2500:2600]
+    assert list(PermutedOrder(5000, 3)) == first and list(PermutedOrder(5000, 4)) != first
+    tracemalloc.start()
+    big = PermutedOrder(20_000_000, 3)
+    head = [i for _, i in zip(range(100_000), big)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(set(head)) == len(head) and peak < 16 * 2 ** 20, peak   # a randperm list: 0.8 GB

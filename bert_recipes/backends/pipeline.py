@@ -273,6 +273,7 @@ class PipelineEngine:
         assert self.replica == (self.rank % self.replicas if self.replicas > 1 else 0)
         train_set = Indexed(data["train"])
         self.sampler = (MixedOrder(mixture) if mixture is not None else   # data.mixture: bert_recipes/data/mixture.py
+                        data["train"].training_order(self.seed) if hasattr(data["train"], "training_order") else
                         SeedableRandomSampler(train_set, generator=torch.Generator(), data_seed=self.seed))
         # Accelerate's own sharding, by replica rather than rank: batch i of the seedable order goes to
         # replica i % replicas (whole rounds only), so a pipeline run sees exactly the batches of a DDP

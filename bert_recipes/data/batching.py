@@ -1,5 +1,6 @@
 """Batches: rows read from a tokenized split (Indexed: one Arrow call a batch), batches of similar length
-(LengthGroupedBatches, length bins: a few shapes that repeat) and the DataLoader's settings."""
+(LengthGroupedBatches, length bins: a few shapes that repeat), an epoch's order computed from the position
+(PermutedOrder: no list of the rows in memory) and the DataLoader's settings."""
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +14,48 @@ from ..config import DataConfig
 
 def _seed_of(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+class PermutedOrder(torch.utils.data.Sampler):
+    """The training loader's sampler over `n` rows that computes epoch e's order from the position alone: row i of the
+    epoch is a seeded bijection of i over [0, n) (a 4-round Feistel network over the next even power of two, walked
+    back into range), keyed by (seed, e). Its memory does not grow with n (a seeded shuffle's randperm(n).tolist()
+    costs 40 bytes a row on every rank: 0.8 GB at 20M blocks), and a resumed epoch seeks by skipping positions, as
+    Accelerate skips a shuffle's first batches."""
+
+    CHUNK = 1 << 16   # positions computed at once (numpy), then read as the loader asks
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+        self.half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)   # bits of each half: 2 ** (2 x half) >= n
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.n
+
+    def permute(self, positions) -> "np.ndarray":
+        """Rows at `positions` (an int array) of this epoch's order."""
+        import numpy as np
+        keys = [np.uint64(_seed_of(self.seed, self.epoch, -4, r)) for r in range(4)]
+        mask = np.uint64((1 << self.half) - 1)
+        x = np.asarray(positions, dtype=np.uint64)
+        todo = np.ones(len(x), dtype=bool)
+        while todo.any():   # cycle-walking: a value past n goes round again until it lands inside
+            left, right = x[todo] >> np.uint64(self.half), x[todo] & mask
+            for key in keys:
+                z = (right ^ key) * np.uint64(0x9E3779B97F4A7C15)
+                z = (z ^ (z >> np.uint64(31))) * np.uint64(0xBF58476D1CE4E5B9)
+                left, right = right, left ^ ((z ^ (z >> np.uint64(29))) & mask)
+            x[todo] = (left << np.uint64(self.half)) | right
+            todo = x >= np.uint64(self.n)
+        return x.astype(np.int64)
+
+    def __iter__(self):
+        import numpy as np
+        for start in range(0, self.n, self.CHUNK):
+            yield from (int(i) for i in self.permute(np.arange(start, min(start + self.CHUNK, self.n))))
 
 
 class LengthGroupedBatches:

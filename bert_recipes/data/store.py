@@ -221,6 +221,12 @@ class StoreBlocks:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def training_order(self, seed: int):
+        """The training loader's sampler: each epoch's order computed from the position (batching.PermutedOrder),
+        so no rank holds a list of the store's blocks."""
+        from .batching import PermutedOrder
+        return PermutedOrder(len(self), seed)
+
     def select(self, rows: range) -> "StoreBlocks":
         other = object.__new__(StoreBlocks)
         other.__dict__.update(self.__dict__)
