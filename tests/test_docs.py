@@ -99,6 +99,8 @@ def test_every_bash_block_names_real_targets_keys_and_paths():
         for words in commands(block):
             if words[:2] == ["tools/slurm_cluster.py", "up"] and len(words) > 2:
                 created.append(words[2].rstrip("/") + "/")   # the cluster's directory: made by `up`
+            if words[0] == "split" and len(words) > 2:
+                created.append(words[-1])   # split's last word: the prefix of the files it writes
             if words[0] == "make":
                 named = [w for w in words[1:] if "=" not in w and not w.startswith("-")]
                 problems += [f"{where}: make {t}: no such target" for t in named[:1] if t not in targets]

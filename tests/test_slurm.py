@@ -333,3 +333,32 @@ def test_a_requeue_waits_for_the_old_allocations_hold_on_the_output_dir(cluster,
     finally:
         slurm_cluster.kill_node(cluster, "n1")
         slurm_cluster.revive_node(cluster, "n1")
+
+
+def test_an_array_job_prepares_a_store_that_two_nodes_train_from(cluster, tmp_path, sample_dir, shared_tokenizer):
+    """slurm/prepare.sbatch as an array of 2 tasks over 4 parquet shards into one shared directory: the task
+    that finishes last writes the manifest, and the files are byte for byte a one-machine preparation's; then
+    slurm/ddp.sbatch trains on 2 nodes from that store (data.source=store)."""
+    from test_store import parquet_tree, prepare
+    files = parquet_tree(tmp_path / "corpus", sample_dir, shards=4, long_document=False)
+    store = tmp_path / "store"
+    job = Job(cluster, tmp_path / "prep", "slurm/prepare.sbatch",
+              [str(store), "--data.source=files", f"--data.train_files=[{','.join(map(str, files))}]",
+               f"--tokenizer.name_or_path={shared_tokenizer}"], {}, sbatch=["--array=0-1", "--open-mode=append"])
+    job.wait("store.json", lambda j: (store / "store.json").exists(), timeout=240)
+    job.wait("the array's end", lambda j: not slurm_cluster.sh("squeue", "-h", "-j", j.id,
+                                                                env=slurm_cluster.env(cluster)).stdout.strip())
+    log = job.log()
+    assert "part 0 of 2" in log or "part 1 of 2" in log, log[-3000:]
+    assert log.count("a token store of") == 1, log[-3000:]   # one part wrote the manifest
+    local = prepare(tmp_path / "local", files, shared_tokenizer, workers=1)
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert sorted(p.name for p in (store / "tokens").iterdir()) == sorted(p.name for p in (tmp_path / "local/tokens").iterdir())
+    assert all((store / "tokens" / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "local/tokens").iterdir())
+    args = tiny(tmp_path / "run", cluster / "local" / tmp_path.name, sample_dir, shared_tokenizer, **{
+        "train.max_steps": 6, "data.source": "store", "data.store_dir": str(store)})
+    train = Job(cluster, tmp_path / "train", "slurm/ddp.sbatch", args, {"ACCELERATE_USE_CPU": "1"})
+    info, log = train.done(), train.log()
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] == "n[1-2]", (info, log[-3000:])
+    result = final(tmp_path / "run")
+    assert result["num_processes"] == 2 and result["backend"]["name"] == "ddp" and result["steps"] == 6

@@ -44,10 +44,11 @@ def parquet_tree(root: Path, sample_dir: Path, shards: int = 3, long_document: b
     return paths
 
 
-def prepare(out: Path, files, tokenizer, workers: int = 2, **popen) -> subprocess.CompletedProcess | subprocess.Popen:
+def prepare(out: Path, files, tokenizer, workers: int = 2, extra=(), **popen):
+    """tools/prepare.py --store in a process of its own: the CompletedProcess, or the Popen where `popen` is given."""
     argv = [sys.executable, "tools/prepare.py", "--recipe", "recipes/tiny-mlm.yaml", "--out", str(out), "--store",
             "--workers", str(workers), "--data.source=files", f"--data.train_files=[{','.join(map(str, files))}]",
-            f"--tokenizer.name_or_path={tokenizer}"]
+            f"--tokenizer.name_or_path={tokenizer}", *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     if popen:
         return subprocess.Popen(argv, cwd=REPO, env=env, **popen)
@@ -193,3 +194,17 @@ def test_the_stores_order_is_computed_from_the_position():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert len(set(head)) == len(head) and peak < 16 * 2 ** 20, peak   # a randperm list: 0.8 GB
+
+
+def test_parts_of_a_preparation_write_one_store(tmp_path, store, shared_tokenizer):
+    """--part j --parts 2 (a SLURM array's tasks: slurm/prepare.sbatch) into one directory: the first part leaves
+    no manifest, the second writes it, and the files are byte for byte those of one preparation of them all."""
+    root, files = store
+    first = prepare(tmp_path / "parts", files, shared_tokenizer, workers=1, extra=["--part", "0", "--parts", "2"])
+    assert first.returncode == 0 and "part 0 of 2" in first.stdout and not (tmp_path / "parts/store.json").exists()
+    second = prepare(tmp_path / "parts", files, shared_tokenizer, workers=1, extra=["--part", "1", "--parts", "2"])
+    assert second.returncode == 0 and "a token store of" in second.stdout, second.stderr[-2000:]
+    for name in ("00000_unshuffled.ds", "00001_unshuffled.ds.index", "00002_unshuffled.ds"):
+        assert (tmp_path / "parts/tokens" / name).read_bytes() == (root / "tokens" / name).read_bytes()
+    assert json.loads((tmp_path / "parts/store.json").read_text())["shards"] == json.loads(
+        (root / "store.json").read_text())["shards"]

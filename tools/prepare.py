@@ -153,7 +153,7 @@ STORE_BYTES_PER_TEXT_BYTE = 1.0   # a uint16 store of English text and its index
 # /prepare.py --store: 610,723 tokens, 1.22 MB of ids and 63 KB of index for 1.66 MB of text); 1.0 leaves a margin
 
 
-def prepare_store(cfg, out: Path, workers: int) -> dict:
+def prepare_store(cfg, out: Path, workers: int, part: int = 0, parts: int = 1) -> dict | None:
     """data.train_files -> a token store at `out` (bert_recipes/data/store.py), with the recipe's tokenizer beside it;
     the disk's free space is checked against the estimate before any work."""
     from bert_recipes.config import nearest_existing
@@ -182,13 +182,20 @@ def prepare_store(cfg, out: Path, workers: int) -> dict:
                           f"{size} bytes a token): free space there, or give another --out")
     check_same_preparation(out, files, vocabulary_fingerprint(tokenizer), cfg.data.text_column)
     make_place("--out", str(out))
-    tokenizer.save_pretrained(out / "tokenizer")
+    if not (out / "tokenizer").is_dir():   # a SLURM array's parts share `out`: the first to rename its copy wins
+        mine = out / f"tokenizer.{os.getpid()}.tmp"
+        tokenizer.save_pretrained(mine)
+        try:
+            os.rename(mine, out / "tokenizer")
+        except OSError:
+            shutil.rmtree(mine, ignore_errors=True)
     t0 = time.perf_counter()
     log = out / "prepare.log"   # datatrove's own lines (a line a task, its stats): the terminal gets one line
     with open(log, "a") as quiet, contextlib.redirect_stderr(quiet):
         meta = write_store(files, out, out / "tokenizer", cfg.data.text_column, builder, workers,
-                           vocabulary_fingerprint(tokenizer))
-    meta["seconds"] = round(time.perf_counter() - t0, 1)
+                           vocabulary_fingerprint(tokenizer), part, parts)
+    if meta is not None:
+        meta["seconds"] = round(time.perf_counter() - t0, 1)
     return meta
 
 
@@ -201,6 +208,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sample-dir", default="data/sample")
     parser.add_argument("--store", action="store_true", help="write a token store (datatrove) instead")
     parser.add_argument("--workers", type=int, default=1, help="--store: processes (a task a file)")
+    parser.add_argument("--part", type=int, default=0, help="--store: this machine's share, of --parts "
+                        "(slurm/prepare.sbatch: the array task's id and count)")
+    parser.add_argument("--parts", type=int, default=1)
     args, overrides = parser.parse_known_args(argv)
     if args.make_corpus:
         n = make_corpus(Path(args.make_corpus), args.size, Path(args.sample_dir))
@@ -219,7 +229,13 @@ def main(argv=None) -> int:
         for line in resolve_into(cfg.data):   # patterns and directories: the files, as a run resolves them
             print(line, flush=True)
         if args.store:
-            meta = prepare_store(cfg, Path(args.out), args.workers)
+            if not 0 <= args.part < args.parts:
+                raise ConfigError(f"--part {args.part} of --parts {args.parts}: give 0 <= part < parts")
+            meta = prepare_store(cfg, Path(args.out), args.workers, args.part, args.parts)
+            if meta is None:
+                print(f"[prepare] part {args.part} of {args.parts}: its files are in {args.out}; the manifest "
+                      "(store.json) comes with the part that finishes last")
+                return 0
             print(f"[prepare] {args.out}: a token store of {meta['tokens']:,} tokens in {meta['documents']:,} documents "
                   f"({meta['dtype']}, {len(meta['shards'])} shards) in {meta['seconds']}s; train with "
                   f"--data.source=store --data.store_dir={args.out}")

@@ -30,24 +30,32 @@ READERS = {"text": "text", "json": "jsonl", "parquet": "parquet", "csv": "csv"} 
 
 # ----------------------------------------------------------------------------- writing (make prepare)
 def write_store(files: list[str], out: Path, tokenizer_dir: Path, text_column: str, builder: str, workers: int,
-                vocabulary: str) -> dict:
+                vocabulary: str, part: int = 0, parts: int = 1) -> dict | None:
     """Tokenize `files` (resolved, one format: datasets' `builder` name) into a store at `out` with datatrove's local
     executor, one task a file on `workers` processes, then write the manifest. Run again after a kill, it skips the
-    finished tasks and gives the same bytes. -> the manifest."""
+    finished tasks and gives the same bytes. part of parts (a SLURM array's task of its count: slurm/prepare.sbatch):
+    this machine runs its contiguous share of the tasks into the shared `out`, and whichever part finds every task
+    done writes the manifest. -> the manifest, or None while other parts' tasks are not done."""
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.tokens import DocumentTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     plan = check_same_preparation(out, files, vocabulary, text_column)
-    (out / PREPARING).write_text(json.dumps(plan, indent=1))
+    write_atomically(out / PREPARING, json.dumps(plan, indent=1))   # every part writes the same bytes
     root = os.path.commonpath([os.path.dirname(f) for f in files])
     paths_file = out / "inputs.txt"   # the executor's tasks read their file from it: the i-th line is task i's
-    paths_file.write_text("".join(os.path.relpath(f, root) + "\n" for f in files))
+    write_atomically(paths_file, "".join(os.path.relpath(f, root) + "\n" for f in files))
+    first, end = len(files) * part // parts, len(files) * (part + 1) // parts   # this part's tasks
     pipeline = [reader(builder, root, str(paths_file), text_column), CutLongDocuments(LONGEST_DOCUMENT_CHARS),
                 DocumentTokenizer(str(out / SHARD_NAME), str(tokenizer_dir / "tokenizer.json"), save_filename=None,
                                   shuffle_documents=False, save_final_metadata=False, batch_size=1000)]
-    LocalPipelineExecutor(pipeline, tasks=len(files), workers=min(workers, len(files)),
-                          logging_dir=str(out / "logs"), start_method="fork").run()
+    if end > first:
+        LocalPipelineExecutor(pipeline, tasks=len(files), workers=max(1, min(workers, end - first)),
+                              local_tasks=end - first, local_rank_offset=first, logging_dir=str(out / "logs"),
+                              start_method="fork").run()
+    done = out / "logs" / "completions"
+    if not all((done / f"{task:05d}").exists() for task in range(len(files))):
+        return None   # another part's tasks still run: the last part to finish writes the manifest
     shards = []
     for task, path in enumerate(files):
         tokens_file = out / SHARD_NAME / f"{task:05d}_unshuffled.ds"
@@ -59,9 +67,15 @@ def write_store(files: list[str], out: Path, tokenizer_dir: Path, text_column: s
     meta = {"version": STORE_VERSION, "vocabulary": vocabulary, "dtype": dtype, "text_column": text_column,
             "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
             "shards": shards}
-    (out / (STORE_META + ".tmp")).write_text(json.dumps(meta, indent=1))
-    os.replace(out / (STORE_META + ".tmp"), out / STORE_META)
+    write_atomically(out / STORE_META, json.dumps(meta, indent=1))
     return meta
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` through a file of this process's own, renamed: a reader sees the old or the new bytes."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 PREPARING = "preparing.json"   # what a preparation resumed in the same place must agree with (its finished tasks stay)
