@@ -148,6 +148,9 @@ memory: setup  ## will it fit? per-device memory of RECIPE for every backend + v
 bench: setup  ## train.py vs transformers' Trainer on the same workload: tokens/s, ratios, MFU, memory, padding (ARGS="--size mini")
 	$(OFFLINE) $(PY) tools/bench.py $(ARGS)
 
+bench-data: setup  ## an MLM corpus prepared as a token store and through datasets, side by side (SIZE=256M|1G|4G, ARGS="--paths store")
+	$(OFFLINE) $(PY) tools/bench_data.py --size $(or $(SIZE),256M) $(ARGS)
+
 prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped by every rank; then --data.source=prepared --data.prepared_dir=OUT; STORE=1 WORKERS=N: a datatrove token store, then --data.source=store --data.store_dir=OUT)
 	$(PY) tools/prepare.py --recipe $(RECIPE) --out $(or $(OUT),data/prepared/$(basename $(notdir $(RECIPE)))) $(if $(STORE),--store) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
 

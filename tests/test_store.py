@@ -120,9 +120,11 @@ def test_a_killed_preparation_finishes_with_the_same_bytes(tmp_path, sample_dir,
     assert meta[0]["shards"] == meta[1]["shards"]
 
 
-def test_a_run_trains_from_the_store_and_resumes_on_another_process_count(tmp_path, store, sample_dir, datasets_cache):
+def test_a_run_trains_from_the_store_and_resumes_on_another_process_count(tmp_path, store, sample_dir,
+                                                                           datasets_cache):
     """DDP on 2 processes from the store, documents apart (data.document_mask): the loss goes down; halted at step 4
-    and resumed on 1 process, it ends with the uninterrupted run's weights within 1e-5. DeepSpeed's pipeline (2
+    and resumed on 1 process, and halted on 1 and resumed on 2, each ends with the uninterrupted run's weights within
+    1e-5. DeepSpeed's pipeline (2
     stages) trains from it too, through the store's order."""
     root, _ = store
     args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **{  # noqa: E731
@@ -137,6 +139,10 @@ def test_a_run_trains_from_the_store_and_resumes_on_another_process_count(tmp_pa
     one = launch(1, args(tmp_path / "split", **{"checkpoint.resume": "auto"}))
     assert one["final"]["num_processes"] == 1 and one["final"]["steps"] == 8
     assert_same_weights(tmp_path / "full/model/model.safetensors", tmp_path / "split/model/model.safetensors", TOL)
+    launch(1, args(tmp_path / "grown", **{"train.halt_at_step": 4}))
+    two = launch(2, args(tmp_path / "grown", **{"checkpoint.resume": "auto"}))
+    assert two["final"]["num_processes"] == 2 and two["final"]["steps"] == 8
+    assert_same_weights(tmp_path / "full/model/model.safetensors", tmp_path / "grown/model/model.safetensors", TOL)
     piped = launch(2, args(tmp_path / "piped", **{"data.document_mask": False}), backend="pipeline")   # its own order
     assert piped["final"]["num_processes"] == 2 and piped["final"]["backend"]["pipeline_stages"] == 2
     assert piped["final"]["steps"] == 8 and np.isfinite(piped["final"]["eval_loss"])

@@ -157,7 +157,7 @@ def prepare_store(cfg, out: Path, workers: int, part: int = 0, parts: int = 1) -
     """data.train_files -> a token store at `out` (bert_recipes/data/store.py), with the recipe's tokenizer beside it;
     the disk's free space is checked against the estimate before any work."""
     from bert_recipes.config import nearest_existing
-    from bert_recipes.data.store import check_same_preparation, write_store
+    from bert_recipes.data.store_writer import check_same_preparation, write_store
     from bert_recipes.data.files import check_kinds
     from bert_recipes.data.tokenizing import vocabulary_fingerprint
     from bert_recipes.places import make_place

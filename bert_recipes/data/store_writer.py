@@ -1,0 +1,146 @@
+"""The token store's writer (make prepare STORE=1: tools/prepare.py, slurm/prepare.sbatch): datatrove tokenizes the
+files into the store that bert_recipes/data/store.py reads: its reader for the files' format, a step that cuts very
+long documents, its DocumentTokenizer (the files' order kept: its shuffle is off), on its local executor, one task an
+input file, whose finished tasks a preparation started again skips (a task cut off is written again, from its
+start: the bytes are an uninterrupted preparation's); the manifest comes last."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from datatrove.data import Document
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline import readers
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.readers.base import BaseDiskReader
+from datatrove.pipeline.tokens import DocumentTokenizer
+
+from ..config import ConfigError
+from .store import SHARD_NAME, STORE_META, STORE_VERSION
+
+LONGEST_DOCUMENT_CHARS = 1_000_000   # a longer document is cut into pieces of this many characters (memory)
+READERS = {"text": "text", "json": "jsonl", "parquet": "parquet", "csv": "csv"}   # datasets' builder -> datatrove's
+
+
+def write_store(files: list[str], out: Path, tokenizer_dir: Path, text_column: str, builder: str, workers: int,
+                vocabulary: str, part: int = 0, parts: int = 1) -> dict | None:
+    """Tokenize `files` (resolved, one format: datasets' `builder` name) into a store at `out` with datatrove's local
+    executor, one task a file on `workers` processes, then write the manifest. Run again after a kill, it skips the
+    finished tasks and gives the same bytes. part of parts (a SLURM array's task of its count: slurm/prepare.sbatch):
+    this machine runs its contiguous share of the tasks into the shared `out`, and whichever part finds every task
+    done writes the manifest. -> the manifest, or None while other parts' tasks are not done."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan = check_same_preparation(out, files, vocabulary, text_column)
+    write_atomically(out / PREPARING, json.dumps(plan, indent=1))   # every part writes the same bytes
+    root = os.path.commonpath([os.path.dirname(f) for f in files])
+    paths_file = out / "inputs.txt"   # the executor's tasks read their file from it: the i-th line is task i's
+    write_atomically(paths_file, "".join(os.path.relpath(f, root) + "\n" for f in files))
+    first, end = len(files) * part // parts, len(files) * (part + 1) // parts   # this part's tasks
+    pipeline = [reader(builder, root, str(paths_file), text_column), CutLongDocuments(LONGEST_DOCUMENT_CHARS),
+                DocumentTokenizer(str(out / SHARD_NAME), str(tokenizer_dir / "tokenizer.json"), save_filename=None,
+                                  shuffle_documents=False, save_final_metadata=False, batch_size=1000)]
+    if end > first:
+        LocalPipelineExecutor(pipeline, tasks=len(files), workers=max(1, min(workers, end - first)),
+                              local_tasks=end - first, local_rank_offset=first, logging_dir=str(out / "logs"),
+                              start_method="fork").run()
+    done = out / "logs" / "completions"
+    if not all((done / f"{task:05d}").exists() for task in range(len(files))):
+        return None   # another part's tasks still run: the last part to finish writes the manifest
+    shards = []
+    for task, path in enumerate(files):
+        tokens_file = out / SHARD_NAME / f"{task:05d}_unshuffled.ds"
+        ends = (np.fromfile(f"{tokens_file}.index", dtype="<u8") if tokens_file.exists() else np.zeros(0, "<u8"))
+        shards.append({"file": tokens_file.relative_to(out).as_posix() if tokens_file.exists() else None,
+                       "input": path, "input_bytes": os.path.getsize(path),
+                       "tokens": int(ends[-1]) if len(ends) else 0, "documents": int(len(ends))})
+    dtype = "uint16" if token_bytes(tokenizer_dir) == 2 else "uint32"
+    meta = {"version": STORE_VERSION, "vocabulary": vocabulary, "dtype": dtype, "text_column": text_column,
+            "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+            "shards": shards}
+    write_atomically(out / STORE_META, json.dumps(meta, indent=1))
+    return meta
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` through a file of this process's own, renamed: a reader sees the old or the new bytes."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+PREPARING = "preparing.json"   # what a preparation resumed in the same place must agree with (its finished tasks stay)
+
+
+def check_same_preparation(out: Path, files: list[str], vocabulary: str, text_column: str) -> dict:
+    """A preparation started again where one was cut off goes on only with the same files and tokenizer: else one
+    line, before anything there changes. -> its plan."""
+    plan = {"version": STORE_VERSION, "vocabulary": vocabulary, "text_column": text_column,
+            "inputs": [[f, os.path.getsize(f)] for f in files]}
+    started = Path(out) / PREPARING
+    if started.exists() and json.loads(started.read_text()) != plan:
+        raise ConfigError(f"--out {out} holds a preparation of other files or with another tokenizer ({started}): "
+                          "give another --out, or remove it to start again")
+    return plan
+
+
+def token_bytes(tokenizer_dir: Path) -> int:
+    """The bytes a token takes in the store, as datatrove decides it: 2 (uint16) where the vocabulary fits, else 4."""
+    from tokenizers import Tokenizer
+    return 2 if Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size() < 2 ** 16 else 4
+
+
+def reader(builder: str, root: str, paths_file: str, text_column: str):
+    """datatrove's reader for the files' format (datasets' builder name), reading the text column; plain text: a
+    document a non-empty line (as data.source=files reads it)."""
+    kind = READERS.get(builder)
+    if kind == "jsonl":
+        return readers.JsonlReader(root, paths_file=paths_file, text_key=text_column, add_file_path=False)
+    if kind == "parquet":
+        return readers.ParquetReader(root, paths_file=paths_file, text_key=text_column, read_metadata=False)
+    if kind == "csv":
+        return readers.CSVReader(root, paths_file=paths_file, text_key=text_column)
+    if kind == "text":
+        return LinesReader(root, paths_file=paths_file, add_file_path=False)
+    raise ConfigError(f"data files of the {builder} format cannot go into a token store (it reads "
+                      f"{', '.join(READERS)}): convert them, or train from data.source=files")
+
+
+class LinesReader(BaseDiskReader):
+    """Plain text (compressed or not): a document a non-empty line, as datasets' text builder and the MLM tokenizing
+    of data.source=files read it."""
+    name = "📄 Lines"
+
+    def read_file(self, filepath: str):
+        with self.data_folder.open(filepath, "rt", compression="infer") as f:
+            for i, line in enumerate(f):
+                line = line.rstrip("\n")
+                if line.strip():
+                    yield self.get_document_from_dict({"text": line}, filepath, i)
+
+
+class CutLongDocuments(PipelineStep):
+    """A document longer than `chars` characters goes on as pieces of at most that many (cut at the last space
+    before the limit where there is one), so the tokenizer's memory stays bounded whatever one document holds (a book
+    on one line). Each piece is a document of its own in the store."""
+    name = "✂️ Cut long documents"
+
+    def __init__(self, chars: int):
+        super().__init__()
+        self.chars = chars
+
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        for document in data:
+            text = document.text
+            if len(text) <= self.chars:
+                yield document
+                continue
+            start, piece = 0, 0
+            while start < len(text):
+                end = min(start + self.chars, len(text))
+                if end < len(text):
+                    space = text.rfind(" ", start + self.chars // 2, end)
+                    end = space + 1 if space > 0 else end
+                yield Document(text=text[start:end], id=f"{document.id}/{piece}", metadata=document.metadata)
+                start, piece = end, piece + 1
