@@ -179,6 +179,15 @@ a dense head, is not DDP's: no loss compares). (Its resume
     assert {"reference/eval_loss", "docstrings/eval_loss"} <= set(piped["final"])
 
 
+def halting_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, sources: str):
+    """-> args(name, **more): the overrides of an 8-step run of the mixture `sources` under tmp_path/name that saves at
+    step 4, dropout off (a halt there and its resume end as the uninterrupted run)."""
+    return lambda name, **more: tiny_args(tmp_path / name, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.mixture": sources,
+        "data.max_train_samples": 80, "train.max_steps": 8, "checkpoint.save_every": 4,
+        "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0, **more})
+
+
 def test_a_resume_reads_the_shards_each_source_read(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
     """A source named by a pattern over gzip shards, halted at step 4; a shard added to it before the resume: the
     resume reads the source's first 3 shards, in their order, with one line, and ends as the uninterrupted run."""
@@ -189,10 +198,7 @@ def test_a_resume_reads_the_shards_each_source_read(tmp_path, sample_dir, datase
         (tmp_path / f"shards/part-{i}.txt.gz").write_bytes(gzip.compress("\n".join(lines[i::3]).encode() + b"\n"))
     sources = (f"[{{name: shards, files: ['{tmp_path}/shards/*.txt.gz'], weight: 1}}, "
                f"{{name: docstrings, files: [{sample_dir}/pretrain/docstrings.txt], weight: 1}}]")
-    args = lambda name, **more: tiny_args(tmp_path / name, sample_dir, datasets_cache, **{  # noqa: E731
-        "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.mixture": sources,
-        "data.max_train_samples": 80, "train.max_steps": 8, "checkpoint.save_every": 4,
-        "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0, **more})
+    args = halting_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, sources)
     full = run_in_process(args("full"))
     run_in_process(args("split", **{"train.halt_at_step": 4}))
     (tmp_path / "shards/part-3.txt.gz").write_bytes(gzip.compress(b"a shard added later\n" * 50))
@@ -215,10 +221,7 @@ def test_a_dataset_source_mixes_with_files_and_resumes_exactly(tmp_path, sample_
     (tmp_path / "ds/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sources = (f"[{{name: ref, dataset_name: {tmp_path}/ds, weight: 1}}, "
                f"{{name: docstrings, files: [{sample_dir}/pretrain/docstrings.txt], weight: 1}}]")
-    args = lambda name, **more: tiny_args(tmp_path / name, sample_dir, datasets_cache, **{  # noqa: E731
-        "tokenizer.name_or_path": shared_tokenizer, "data.source": "files", "data.mixture": sources,
-        "data.max_train_samples": 80, "train.max_steps": 8, "checkpoint.save_every": 4,
-        "model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0, **more})
+    args = halting_run(tmp_path, sample_dir, datasets_cache, shared_tokenizer, sources)
     full = run_in_process(args("full"))
     assert {"ref/eval_loss", "docstrings/eval_loss"} <= set(full) and full["mixture"]["ref"]["sequences"] > 0
     run_in_process(args("split", **{"train.halt_at_step": 4}))
