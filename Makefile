@@ -151,7 +151,7 @@ bench: setup  ## train.py vs transformers' Trainer on the same workload: tokens/
 bench-data: setup  ## an MLM corpus prepared as a token store and through datasets, side by side (SIZE=256M|1G|4G, ARGS="--paths store")
 	$(OFFLINE) $(PY) tools/bench_data.py --size $(or $(SIZE),256M) $(ARGS)
 
-prepare: setup  ## tokenize + pack RECIPE's corpus once into OUT (memory-mapped by every rank; then --data.source=prepared --data.prepared_dir=OUT; STORE=1 WORKERS=N: a datatrove token store, then --data.source=store --data.store_dir=OUT)
+prepare: setup  ## tokenize RECIPE's corpus once into OUT (packed MLM: its run's token stores, WORKERS=N datatrove processes, then --data.cache_dir=OUT; the rest: then --data.source=prepared --data.prepared_dir=OUT; STORE=1: a token store of data.train_files, then --data.source=store --data.store_dir=OUT)
 	$(PY) tools/prepare.py --recipe $(RECIPE) --out $(or $(OUT),data/prepared/$(basename $(notdir $(RECIPE)))) $(if $(STORE),--store) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
 
 downstream: setup  ## fine-tune and score every checkpoint export of RUN (pretrained with checkpoint.downstream): metrics.json, curves.png (CPU=1, CONFIG=, ARGS=)

@@ -273,6 +273,13 @@ def tiny_args(out_dir: Path, sample_dir: Path, cache: Path, task: str = "mlm", *
     return [f"{k}={v}" for k, v in args.items()]
 
 
+def column(split, key: str) -> list:
+    """A split's column as lists: a datasets split's own, or a token store's blocks (packed MLM) read in one call."""
+    if hasattr(split, "column_names"):
+        return split[key]
+    return [row[key].tolist() for row in split.__getitems__(range(len(split)))]
+
+
 def write_pairs(path: Path, n: int, seed: int) -> Path:
     """A sentence-pair task one word decides ("fresh" 1, "rotten" 0), as jsonl with columns a, b, label
     (and a regression score): learnt in a few dozen steps by any tiny BERT."""

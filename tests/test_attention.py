@@ -155,7 +155,7 @@ def test_unpadded_mlm_gives_the_padded_loss(arch):
 
     from bert_recipes.data.collate import unpadded
     from bert_recipes.tasks.mlm import MLMCollator
-    from conftest import REPO
+    from conftest import REPO, column
     tokenizer = PreTrainedTokenizerFast.from_pretrained(REPO / "tests/data/wordpiece-1000")
     model = tiny("mlm", vocab=len(tokenizer), arch=arch)
     texts = ["the quick brown fox jumps over the lazy dog", "a b", "print the value of the variable and return it",
@@ -173,20 +173,22 @@ def test_unpadded_mlm_gives_the_padded_loss(arch):
 def test_the_packer_keeps_each_documents_tokens_and_cuts_a_long_one(tmp_path):
     """data.document_mask's packed blocks: each block's document ids start at 0 and count up; a document longer than
     the rest of a block goes on as the next block's document 0 (positions from 0); the token ids are the plain
-    packer's, and the cache is another (its key has the setting)."""
+    packer's, read from the same token store (the documents come from its index as a block is read)."""
     from datasets import Dataset, DatasetDict
     from transformers import PreTrainedTokenizerFast
 
     from bert_recipes.config import DataConfig
     from bert_recipes.tasks.mlm import tokenize
-    from conftest import REPO
+    from conftest import REPO, column
     tokenizer = PreTrainedTokenizerFast.from_pretrained(REPO / "tests/data/wordpiece-1000")
     lines = ["the value of x", "a very long line " * 8, "return it", "print the list and the dict"] * 3
     raw = DatasetDict({"train": Dataset.from_dict({"text": lines}), "eval": Dataset.from_dict({"text": lines[:4]})})
-    plain = tokenize(raw, tokenizer, TaskConfig(kind="mlm"), DataConfig(max_seq_length=16))
-    apart = tokenize(raw, tokenizer, TaskConfig(kind="mlm"), DataConfig(max_seq_length=16, document_mask=True))
-    assert apart["train"]["input_ids"] == plain["train"]["input_ids"]
-    docs = apart["train"]["document_ids"]
+    plain = tokenize(raw, tokenizer, TaskConfig(kind="mlm"), DataConfig(max_seq_length=16, cache_dir=str(tmp_path)))
+    apart = tokenize(raw, tokenizer, TaskConfig(kind="mlm"), DataConfig(max_seq_length=16, document_mask=True,
+                                                                        cache_dir=str(tmp_path)))
+    assert column(apart["train"], "input_ids") == column(plain["train"], "input_ids")
+    assert apart["train"].store.root == plain["train"].store.root and "document_ids" not in plain["train"][0]
+    docs = column(apart["train"], "document_ids")
     lengths = [len(tokenizer(t)["input_ids"]) for t in lines]
     assert all(row[0] == 0 and all(b - a in (0, 1) for a, b in zip(row, row[1:])) for row in docs)
     assert docs[0][:lengths[0]] == [0] * lengths[0] and docs[0][lengths[0]] == 1   # the second document starts

@@ -14,7 +14,7 @@ import pytest
 import yaml
 import zstandard
 
-from conftest import launch, refused_in_process, run_in_process, tiny_args
+from conftest import column, launch, refused_in_process, run_in_process, tiny_args
 
 SHARDS = 4
 NO_DROPOUT = {"model.hidden_dropout_prob": 0.0, "model.attention_probs_dropout_prob": 0.0}
@@ -73,7 +73,7 @@ def test_every_form_gives_the_tokens_of_the_plain_file(corpus, datasets_cache, s
         raw = load_raw(cfg.data, cfg.task, seed=0)
         fingerprints[form] = raw["train"]._fingerprint
         data = tokenize(raw, tokenizer, cfg.task, cfg.data)
-        got[form] = {split: data[split]["input_ids"] for split in ("train", "eval")}
+        got[form] = {split: column(data[split], "input_ids") for split in ("train", "eval")}
     for form in ("pattern", "directory", "mix", "jsonl.zst"):
         assert got[form] == got["one file"], form
     assert len(got["one file"]["train"]) > 200

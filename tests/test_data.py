@@ -83,13 +83,14 @@ cfg.data.sample_dir, cfg.data.cache_dir, cfg.data.max_seq_length, cfg.data.max_t
 cfg.data.max_seq_length, cfg.data.max_train_samples = int(cfg.data.max_seq_length), int(cfg.data.max_train_samples)
 data = kind_of(cfg.task.kind).tokenize(load_raw(cfg.data, cfg.task, seed=0), AutoTokenizer.from_pretrained(sys.argv[5]),
                                       cfg.task, cfg.data)
-print(json.dumps({"files": [f["filename"] for f in data["train"].cache_files],
-                  "lengths": sorted({len(x) for x in data["train"]["input_ids"]})}))
+train = data["train"]   # a token store's blocks (packed MLM)
+print(json.dumps({"files": sorted(str(f) for f in train.store.root.rglob("*") if f.is_file()),
+                  "lengths": sorted({len(r["input_ids"]) for r in train.__getitems__(range(len(train)))})}))
 """
 
 
 def test_packing_gives_full_blocks_and_tokenization_is_cached_across_processes(sample_dir, tokenizer, tmp_path):
-    """A second process (another rank, or the next run) finds the first one's tokenized cache."""
+    """A second process (another rank, or the next run) finds the first one's token store, every block full."""
     import os
     import subprocess
     import sys

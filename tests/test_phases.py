@@ -111,7 +111,7 @@ def test_bad_phase_settings_are_one_line(tmp_path, sample_dir, datasets_cache, s
 def test_phases_chain_on_2_processes_and_under_the_pipeline(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     """DDP on 2 processes: phase 2 from phase 1's checkpoint equals phase 2 from its export, bit for bit (real
     processes, the same layout). The pipeline engine (2 stages, BERT) starts a phase from its own checkpoint: its
-    first loss is phase 1's trained model's, far under a new model's."""
+    first loss is nearer phase 1's last than a new model's first."""
     from conftest import launch
     base = {"tokenizer.name_or_path": shared_tokenizer}
     one = launch(2, args(tmp_path / "ddp1", sample_dir, datasets_cache, **base, **{"train.max_steps": 8}))
@@ -133,7 +133,8 @@ def test_phases_chain_on_2_processes_and_under_the_pipeline(tmp_path, sample_dir
         backend="pipeline")
     assert second["final"]["num_processes"] == 2 and second["final"]["backend"]["name"] == "pipeline"
     assert second["final"]["steps"] == 4 and "[init] from" in (tmp_path / "pipe2.log").read_text()
-    assert losses(tmp_path / "pipe2")[0] < losses(tmp_path / "pipe1")[0] - 1.0
+    new, trained = losses(tmp_path / "pipe1")[0], losses(tmp_path / "pipe1")[-1]   # a new model's, phase 1's end
+    assert trained < new - 0.5 and losses(tmp_path / "pipe2")[0] < (new + trained) / 2   # nearer phase 1's end
 
 
 def test_the_tiny_modernbert_phase_recipes_chain(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):

@@ -214,3 +214,62 @@ def test_parts_of_a_preparation_write_one_store(tmp_path, store, shared_tokenize
         assert (tmp_path / "parts/tokens" / name).read_bytes() == (root / "tokens" / name).read_bytes()
     assert json.loads((tmp_path / "parts/store.json").read_text())["shards"] == json.loads(
         (root / "store.json").read_text())["shards"]
+
+
+def test_a_run_makes_its_own_store_on_first_use_and_the_next_run_reads_it(tmp_path, sample_dir, shared_tokenizer):
+    """Packed MLM from the sample (datasets reads the text): make prepare (tools/prepare.py, no --store) writes the
+    run's token stores into the cache it is given, one a split, and datasets' cache holds no tokenized or packed copy;
+    a run with that data.cache_dir trains from them without writing another. Its blocks are the tokenizer's ids of the
+    sample's lines in order, and a batched read (Indexed.__getitems__) gives the rows one by one reads do, documents
+    included. Control: another tokenizer makes stores of its own."""
+    from transformers import AutoTokenizer
+
+    from bert_recipes.data.batching import Indexed
+    from bert_recipes.data.store import StoreBlocks, TokenStore
+    cache = tmp_path / "cache"
+    given = [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, cache, **{
+        "tokenizer.name_or_path": str(shared_tokenizer), "train.max_steps": 4, "data.max_train_samples": 300})]
+    done = subprocess.run([sys.executable, "tools/prepare.py", "--recipe", "recipes/tiny-mlm.yaml", "--out", str(cache),
+                           *given], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0 and "token stores of train (" in done.stdout, done.stderr[-3000:]
+    stores = sorted((cache / "bert_recipes_stores").glob("*/store.json"))
+    assert len(stores) == 2 and not list(cache.rglob("cache-*.arrow"))   # train and eval; no map's copy
+    written = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+    metrics = run_in_process([a.removeprefix("--") for a in given])
+    assert metrics["steps"] == 4 and np.isfinite(metrics["eval_loss"])
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file() and p in written} == written
+    assert sorted((cache / "bert_recipes_stores").glob("*/store.json")) == stores
+    tokenizer = AutoTokenizer.from_pretrained(shared_tokenizer)
+    lines = [t for t in (sample_dir / "pretrain/train.txt").read_text().splitlines()[:300] if t.strip()]
+    ids = [i for t in lines for i in tokenizer(t)["input_ids"]]
+    train = next(TokenStore(p.parent) for p in stores if TokenStore(p.parent).meta["documents"] == len(lines))
+    blocks = StoreBlocks(train, 32, tokenizer.all_special_ids, documents=True)
+    assert len(blocks) == len(ids) // 32 and blocks[3]["input_ids"].tolist() == ids[96:128]
+    picked = [5, 0, len(blocks) - 1, 5, 17]
+    batched = Indexed(blocks).__getitems__(picked)
+    for row, i in zip(batched, picked):
+        one = blocks[i]
+        assert row["idx"] == i and all(np.array_equal(row[k], one[k]) for k in one)
+    ends = np.cumsum([len(tokenizer(t)["input_ids"]) for t in lines])
+    starts = np.searchsorted(ends, 17 * 32 + np.arange(32), side="right")
+    assert batched[-1]["document_ids"].tolist() == (starts - starts[0]).tolist()
+    assert batched[-1]["special_tokens_mask"].tolist() == [int(i in tokenizer.all_special_ids) for i in ids[544:576]]
+    run_in_process([a.removeprefix("--") for a in given if "tokenizer.name_or_path" not in a] + [
+        "tokenizer.vocab_size=500", f"run.output_dir={tmp_path / 'other'}"])
+    assert len(list((cache / "bert_recipes_stores").glob("*/store.json"))) == 4
+
+
+def test_prepared_packed_mlm_is_one_line_pointing_to_the_store(tmp_path, sample_dir, datasets_cache, capsys):
+    """The packed MLM directories make prepare wrote before token stores: data.source=prepared, or such a directory
+    given as data.store_dir, is one line saying how to make the new one; nothing is written."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old/prepared.json").write_text("{}")
+    args = lambda **more: [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache, **more)]  # noqa: E731
+    said = refused_in_process(args(**{"data.source": "prepared", "data.prepared_dir": str(tmp_path / "old")}),
+                              tmp_path / "run", capsys)
+    assert "data.source=prepared: packed MLM reads a token store now" in said and "--data.cache_dir=DIR" in said
+    said = refused_in_process(args(**{"data.source": "store", "data.store_dir": str(tmp_path / "old")}),
+                              tmp_path / "run", capsys)
+    assert f"data.store_dir={tmp_path / 'old'} holds prepared data (prepared.json" in said
+    assert "make prepare RECIPE=<this recipe> STORE=1" in said

@@ -328,16 +328,17 @@ def test_lamb_with_polynomial_decay_trains_and_is_refused_where_shards_break_it(
 
 def test_prepared_data_is_what_tokenizing_gives_and_every_rank_maps_it(tmp_path, sample_dir, datasets_cache,
                                                                         shared_tokenizer):
-    """make prepare writes the tokenized, packed splits once; a 2-process DDP run then memory-maps them
-    (no tokenizing) and trains; the prepared rows are the ones tokenizing on the fly gives; a recipe
-    whose settings differ from the prepared ones is refused."""
+    """make prepare writes the tokenized splits (MLM a line a row: packed MLM has its token stores, tests/test_store.py)
+    once; a 2-process DDP run then memory-maps them (no tokenizing) and trains; the prepared rows are the ones
+    tokenizing on the fly gives; a recipe whose settings differ from the prepared ones is refused."""
     import json
     import sys
 
     from bert_recipes.config import validate
     from bert_recipes.data import prepare_data
     from datasets import DatasetDict
-    args = tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer})
+    args = tiny_args(tmp_path / "run", sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer,
+                                                                        "data.packing": False})
     prepared = tmp_path / "prepared"
     proc = subprocess.run([sys.executable, "tools/prepare.py", "--recipe", str(REPO / "recipes/tiny-mlm.yaml"),
                            "--out", str(prepared), *[f"--{a}" for a in args]], cwd=REPO, capture_output=True, text=True,
@@ -355,7 +356,7 @@ def test_prepared_data_is_what_tokenizing_gives_and_every_rank_maps_it(tmp_path,
     metrics = launch(2, ["run.output_dir=" + str(tmp_path / "from_prepared")] + use[1:])
     assert metrics["final"]["num_processes"] == 2 and metrics["final"]["steps"] == 24
     log = (tmp_path / "from_prepared.log").read_text()
-    assert "tokenizing" not in log and "packing" not in log
+    assert "tokenizing:" not in log and "Generating train split" not in log   # datasets' bars: nothing read or mapped
     with pytest.raises(ConfigError, match=r"was prepared with other settings \(data.max_seq_length: prepared 32, "
                                           r"this run 64\)"):
         run_in_process(use + ["data.max_seq_length=64", f"run.output_dir={tmp_path / 'refused'}"])

@@ -25,7 +25,7 @@ def collate_cost(data: dict, seq: int, batches: tuple = (32, 256), repeats: int 
     whole-word masking, and the per-token choice (data.max_predictions_per_seq=null). The rows are fetched
     beforehand: this is the collate_fn alone. -> {masking: {batch: ms}}"""
     import torch
-    from datasets import DatasetDict
+    from prepare import prepared_splits
     from transformers import AutoTokenizer
 
     from bert_recipes.data.batching import Indexed
@@ -34,7 +34,7 @@ def collate_cost(data: dict, seq: int, batches: tuple = (32, 256), repeats: int 
     torch.set_num_threads(1)
     try:
         tokenizer = AutoTokenizer.from_pretrained(data["mlm"] / "tokenizer")
-        train = Indexed(DatasetDict.load_from_disk(str(data["mlm"] / "data"))["train"])
+        train = Indexed(prepared_splits(data["mlm"], seq)["train"])
         k, out = round(0.15 * seq), {}
         for name, kwargs in (("K predictions (default)", {"max_predictions": k}),
                              ("whole-word masking, K", {"max_predictions": k, "whole_word": True}),
@@ -55,14 +55,14 @@ def collate_cost(data: dict, seq: int, batches: tuple = (32, 256), repeats: int 
         torch.set_num_threads(threads)
 
 def fetch_cost(data: dict, batch: int = 256, repeats: int = 20) -> dict[str, float]:
-    """Milliseconds to read one micro batch of `batch` packed rows from the memory-mapped Arrow data, as
-    the DataLoader's fetcher does: row by row (__getitem__) against one Arrow call (data.Indexed.__getitems__)."""
-    from datasets import DatasetDict
+    """Milliseconds to read one micro batch of `batch` packed rows from the memory-mapped token store, as the
+    DataLoader's fetcher does: row by row (__getitem__) against one call (data.Indexed.__getitems__)."""
+    from prepare import prepared_splits
 
     from bert_recipes.data.batching import Indexed
-    train = Indexed(DatasetDict.load_from_disk(str(data["mlm"] / "data"))["train"])
+    train = Indexed(prepared_splits(data["mlm"], 128)["train"])
     out = {}
-    for name, fetch in (("row by row", lambda ids: [train[i] for i in ids]), ("one Arrow call", train.__getitems__)):
+    for name, fetch in (("row by row", lambda ids: [train[i] for i in ids]), ("one call", train.__getitems__)):
         times = []
         for r in range(repeats):
             ids = [(r * 7919 + i * 104729) % len(train) for i in range(batch)]

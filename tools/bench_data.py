@@ -1,9 +1,11 @@
-"""make bench-data: preparing an MLM corpus as a token store (datatrove) and through datasets, side by side in one run,
-on a corpus generated from the sample (never committed): time, tokens/s a worker against the tokenizer alone, disk
-bytes a token, peak resident memory, a run's start-up from each, and the training sampler's memory at 10M sequences.
+"""make bench-data: preparing an MLM corpus as a token store of its files (make prepare STORE=1: datatrove reads them)
+and as a run makes its own on first use (make prepare: datasets reads the text into its cache, datatrove tokenizes its
+rows), side by side in one run, on a corpus generated from the sample (never committed): time, tokens/s a worker
+against the tokenizer alone, disk bytes a token, peak resident memory, a run's start-up from each, and the training
+sampler's memory at 10M sequences.
 
     python tools/bench_data.py --size 256M                 # both paths
-    python tools/bench_data.py --size 4G --paths store      # the store alone (the datasets path takes ~15 min a GB)
+    python tools/bench_data.py --size 4G --paths store      # the store of the files alone
     make bench-data SIZE=1G
 
 Each measured command runs in a process of its own under a small wrapper that reports the peak resident memory of
@@ -103,7 +105,7 @@ def sampler_memory(n: int = 10_000_000) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="256M", help="of the generated corpus: 256M, 1G, 4G ...")
-    parser.add_argument("--paths", default="store,datasets", help="which preparations: store, datasets")
+    parser.add_argument("--paths", default="store,run", help="which preparations: store (of the files), run (a run's own)")
     parser.add_argument("--workers", type=int, default=2, help="processes of each preparation")
     parser.add_argument("--parts", type=int, default=8, help="files the corpus is cut into (one datatrove task each)")
     parser.add_argument("--out", default="data/bench-data", help="scratch: the corpus, the stores, the logs")
@@ -126,18 +128,14 @@ def main(argv=None) -> int:
             tokens, disk = meta["tokens"], size_of(where / "tokens")
             start = startup(["--data.source=store", f"--data.store_dir={where}", f"--data.max_seq_length={SEQ}"],
                             out / "run-store", out / "run-store.log")
-        elif path == "datasets":
-            cache = out / "datasets-cache"
+        elif path == "run":   # as a run makes its own on first use: datasets reads the text, datatrove tokenizes
             run = measured([sys.executable, "tools/prepare.py", "--recipe", "recipes/tiny-mlm.yaml", "--out",
-                            str(where), *given, f"--data.num_proc={args.workers}", f"--data.cache_dir={cache}"],
-                           out / "datasets.log")
-            meta = json.loads((where / "prepared.json").read_text())
-            tokens, disk = sum(meta["tokens"].values()), size_of(where, cache)
-            start = startup(["--data.source=prepared", f"--data.prepared_dir={where}",
-                             f"--tokenizer.name_or_path={TOKENIZER}", f"--data.max_seq_length={SEQ}"],
-                            out / "run-datasets", out / "run-datasets.log")
+                            str(where), "--workers", str(args.workers), *given], out / "run.log")
+            metas = [json.loads(m.read_text()) for m in where.glob("bert_recipes_stores/*/store.json")]
+            tokens, disk = sum(m["tokens"] for m in metas), size_of(where)
+            start = startup([f"--data.cache_dir={where}", *given], out / "run-run", out / "run-run.log")
         else:
-            raise SystemExit(f"[bench-data] --paths: {path} is not store or datasets")
+            raise SystemExit(f"[bench-data] --paths: {path} is not store or run")
         report["paths"][path] = {"seconds": run["seconds"], "peak_mb": run["peak_mb"], "tokens": tokens,
                                  "disk_bytes": disk, "bytes_per_token": disk / tokens,
                                  "tokens_per_s_per_worker": tokens / run["seconds"] / args.workers,

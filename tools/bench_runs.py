@@ -1,4 +1,4 @@
-"""make bench's runs of train.py: the workloads prepared once (tools/prepare.py), one run of train.py as a user runs
+"""make bench's runs of train.py: the workloads prepared once (tools/prepare.py: a token store, prepared data), one run of train.py as a user runs
 it (python train.py, or accelerate launch under a row of the backend table), watched with a time limit, and its
 figures read back from its own log windows."""
 from __future__ import annotations
@@ -17,37 +17,54 @@ sys.path.insert(0, str(REPO / "tools"))
 from bench_rows import LR, MODEL_KEYS, SEED, SIZES, WINDOW  # noqa: E402,F401
 
 
-# The workloads beside the packed MLM corpus: (recipe, its settings), each prepared with the MLM corpus's tokenizer
+# The workloads beside the packed MLM corpus: (recipe, its settings), each with the MLM corpus's tokenizer. A
+# packed one reads the corpus's token store, its settings applied as it reads; the others are prepared on their own.
 MORE_WORKLOADS = {"classify": ("tiny-classify.yaml", ["model.name_or_path=null"]),
                   "mlm-docs": ("tiny-mlm.yaml", ["data.document_mask=true"]),       # documents apart in a packed row
                   "mlm-unpacked": ("tiny-mlm.yaml", ["data.packing=false"])}        # a document a row, padded
+STORED = ("mlm", "mlm-docs")   # the workloads that read the token store
 
 
 def workload_settings(workload: str) -> list[str]:
-    """The data settings a workload was prepared with, which a run on it must repeat (prepared data checks them)."""
+    """The data settings of a workload, which a run on it repeats (prepared data checks them)."""
     return MORE_WORKLOADS[workload][1] if workload in MORE_WORKLOADS and workload != "classify" else []
 
 
 def prepare_workloads(size: dict, root: Path, sample_dir: Path, needed=("mlm", "classify")) -> dict[str, Path]:
-    """The MLM corpus (packed) and, where rows need them (`needed`), the classification task, the corpus packed with
-    its documents apart, and the corpus a document a row: tokenized once by tools/prepare.py."""
-    from prepare import prepare
+    """The MLM corpus (the sample's pretraining text) as a token store (tools/prepare.py --store), with a WordPiece
+    tokenizer of the size's vocabulary trained on it, which the packed workloads read; and, where rows need them
+    (`needed`), the classification task and the corpus a document a row, tokenized once with that tokenizer."""
+    from prepare import prepare, prepare_store
 
     from bert_recipes.config import load_config, validate
-    out = {"mlm": root / "mlm", **{name: root / name for name in MORE_WORKLOADS}}
+    from bert_recipes.data.sample import build_sample
+    build_sample(sample_dir)
+    out = {name: root / ("mlm" if name in STORED else name) for name in ("mlm", *MORE_WORKLOADS)}
     common = [f"data.max_seq_length={size['seq']}", f"data.sample_dir={sample_dir}", f"data.cache_dir={root / 'cache'}",
               f"model.max_position_embeddings={max(512, size['seq'])}"]
-    if not (out["mlm"] / "prepared.json").exists():
-        cfg = load_config(REPO / "recipes/tiny-mlm.yaml", common + [f"tokenizer.vocab_size={size['vocab']}"])
+    if not (out["mlm"] / "store.json").exists():
+        tokenizer = workload_tokenizer(root / "tokenizer", size["vocab"], sample_dir)
+        cfg = load_config(REPO / "recipes/tiny-mlm.yaml", common + [
+            "data.source=files", f"data.train_files=[{sample_dir / 'pretrain/train.txt'}]",
+            f"tokenizer.name_or_path={tokenizer}"])
         validate(cfg)
-        prepare(cfg, out["mlm"])
+        prepare_store(cfg, out["mlm"], workers=1)
     for name, (recipe, settings) in MORE_WORKLOADS.items():
-        if name in needed and not (out[name] / "prepared.json").exists():
+        if name in needed and name not in STORED and not (out[name] / "prepared.json").exists():
             cfg = load_config(REPO / "recipes" / recipe, common + settings + [
                 f"tokenizer.name_or_path={out['mlm'] / 'tokenizer'}"])
             validate(cfg)
             prepare(cfg, out[name])
     return out
+
+
+def workload_tokenizer(where: Path, vocab: int, sample_dir: Path) -> Path:
+    """A WordPiece tokenizer of `vocab` ids trained on the sample's pretraining text (as tiny-mlm trains its own)."""
+    if not (where / "tokenizer.json").exists():
+        from bert_recipes.data.tokenizer import train_wordpiece
+        lines = [line for line in (sample_dir / "pretrain/train.txt").read_text().splitlines() if line.strip()]
+        train_wordpiece((lines[i:i + 1000] for i in range(0, len(lines), 1000)), vocab, True).save_pretrained(where)
+    return where
 
 def ours_command(spec: dict) -> tuple[list[str], dict]:
     """train.py as a user runs it on the prepared data (python train.py, or accelerate launch for a
@@ -55,7 +72,8 @@ def ours_command(spec: dict) -> tuple[list[str], dict]:
     size, data = SIZES[spec["size"]], Path(spec["data"][spec["workload"]])
     recipe = "tiny-mlm.yaml" if spec["workload"].startswith("mlm") else "tiny-classify.yaml"
     overrides = [f"--run.output_dir={spec['dir']}", "--run.overwrite=true", f"--run.seed={SEED}",
-                 "--data.source=prepared", f"--data.prepared_dir={data}", f"--data.max_seq_length={size['seq']}",
+                 *([f"--data.source=store", f"--data.store_dir={data}"] if spec["workload"] in STORED else
+                   ["--data.source=prepared", f"--data.prepared_dir={data}"]), f"--data.max_seq_length={size['seq']}",
                  f"--model.max_position_embeddings={max(512, size['seq'])}", f"--train.max_steps={spec['steps']}",
                  f"--train.global_batch_size={size['batch'] * spec.get('nproc', 1)}",
                  f"--train.micro_batch_size={size['batch']}", "--train.eval_every=null", "--train.eval_final=false",

@@ -20,16 +20,16 @@ from bench_runs import _run_watched, cut  # noqa: E402
 def trainer_inputs(spec: dict):
     """The Trainer's model (the same config as ours, sdpa), its training split and its collator."""
     import torch
-    from datasets import DatasetDict
+    from prepare import prepared_splits
     from transformers import (AutoTokenizer, BertConfig, BertForMaskedLM, BertForSequenceClassification,
                               DataCollatorForLanguageModeling, DataCollatorWithPadding)
 
     from bert_recipes.config import load_config
     size, data = SIZES[spec["size"]], Path(spec["data"][spec["workload"]])
     tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
-    train_set = DatasetDict.load_from_disk(str(data / "data"))["train"]
-    meta = json.loads((data / "prepared.json").read_text())
-    labels = len(meta["label_names"] or []) or load_config(REPO / "recipes/tiny-classify.yaml").task.num_labels
+    train_set = prepared_splits(data, size["seq"])["train"]
+    named = json.loads((data / "prepared.json").read_text())["label_names"] if spec["workload"] == "classify" else None
+    labels = len(named or []) or load_config(REPO / "recipes/tiny-classify.yaml").task.num_labels
     config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=max(512, size["seq"]),
                         pad_token_id=tokenizer.pad_token_id, **{k: size[k] for k in MODEL_KEYS}, num_labels=labels)
     torch.manual_seed(SEED)

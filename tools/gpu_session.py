@@ -193,7 +193,7 @@ def bench(session: Session, step: Step) -> None:
     if session.rehearse:
         cmd += ["--compile-backend", "eager", "--collate-repeats", "10"]
     limit = step.limit_s
-    if not (workload_dir(session, size) / "mlm/prepared.json").exists():
+    if not (workload_dir(session, size) / "mlm/store.json").exists():
         if not session.rehearse:   # not carried: BERT-base's data is prepared here first
             limit += PREP_S
             session.figures["note"] = (f"the prepared data was not carried (python tools/gpu_session.py prepare): "
@@ -218,7 +218,7 @@ def workload_dir(session: Session, size: str | None = None) -> Path:
     """The prepared workloads: carried (.gpu_data, prepared on a CPU machine), else made in scratch."""
     size = size or session.size
     carried = CARRIED / f"data-{size}"
-    return carried if (carried / "mlm/prepared.json").exists() else session.shared / f"data-{size}"
+    return carried if (carried / "mlm/store.json").exists() else session.shared / f"data-{size}"
 
 
 def sync_debug(session: Session, step: Step) -> None:
@@ -227,7 +227,7 @@ def sync_debug(session: Session, step: Step) -> None:
     data = workload_dir(session)
     size = {"tiny": (64, 2, 2, 256, 16), "base": (768, 12, 12, 3072, 32)}[session.size]
     args = ["--recipe", "recipes/tiny-mlm.yaml", f"--run.output_dir={session.scratch / 'sync'}", "--run.overwrite=true",
-            "--data.source=prepared", f"--data.prepared_dir={data / 'mlm'}", "--data.max_seq_length=" +
+            "--data.source=store", f"--data.store_dir={data / 'mlm'}", "--data.max_seq_length=" +
             ("64" if session.size == "tiny" else "128"), "--model.max_position_embeddings=512",
             f"--model.hidden_size={size[0]}", f"--model.num_hidden_layers={size[1]}",
             f"--model.num_attention_heads={size[2]}", f"--model.intermediate_size={size[3]}",
@@ -389,7 +389,7 @@ def prepare_carried(sizes=("base", "base-1k")) -> Path:
     for size in sizes:
         root = CARRIED / f"data-{size}"
         prepare_workloads(SIZES[size], root, sample, needed=tuple(MORE_WORKLOADS))
-        shutil.rmtree(root / "cache", ignore_errors=True)   # datasets' cache: not needed to read prepared data
+        shutil.rmtree(root / "cache", ignore_errors=True)   # datasets' cache: not needed to read prepared data or a store
     shutil.rmtree(sample, ignore_errors=True)
     return CARRIED
 

@@ -1,27 +1,29 @@
-"""Tokenize (and pack) a recipe's corpus once, into a directory every rank memory-maps: a run with
-data.source=prepared then starts training in seconds instead of tokenizing again on every start.
+"""Tokenize a recipe's corpus once, ahead of its runs, into a directory every rank memory-maps, so a run starts
+training in seconds instead of tokenizing.
 
-    python tools/prepare.py --recipe recipes/bert-base-mlm-phase1.yaml --out data/prepared/phase1
-    make prepare RECIPE=recipes/bert-base-mlm-phase1.yaml OUT=data/prepared/phase1
-    # then: --data.source=prepared --data.prepared_dir=data/prepared/phase1 (any backend, any world size)
+    make prepare RECIPE=recipes/bert-base-mlm-phase1.yaml OUT=data/prepared/phase1 WORKERS=16
+    # packed MLM: the run's own token stores (bert_recipes/data/store_cache.py), made here rather than on its first
+    # start; then: --data.cache_dir=data/prepared/phase1 (any backend, any world size)
+    make prepare RECIPE=recipes/tiny-classify.yaml OUT=data/prepared/classify
+    # classification (or MLM a line a row): datasets' tokenized splits; then: --data.source=prepared
+    # --data.prepared_dir=data/prepared/classify
     python tools/prepare.py --make-corpus data/corpus-1g.txt --size 1G   # a generated corpus to measure on
     python tools/prepare.py --recipe R --out data/store/x --store --workers 16   # a token store (datatrove), for MLM
     make prepare RECIPE=R OUT=data/store/x STORE=1 WORKERS=16
     # then: --data.source=store --data.store_dir=data/store/x
 
---store writes a token store instead (bert_recipes/data/store.py): datatrove tokenizes the training files, one task
-a file on --workers processes, into flat token files and their documents' boundaries; run again after a kill, it
-skips the finished files and gives the same bytes. Its free disk is checked first.
+--store writes a token store of data.train_files instead (bert_recipes/data/store.py; for a corpus on many machines:
+slurm/prepare.sbatch): datatrove tokenizes the training files, one task a file on --workers processes, into flat
+token files and their documents' boundaries; run again after a kill, it skips the finished files and gives the same
+bytes. Its free disk is checked first.
 
-Everything streams through `datasets.map` in batches, written to disk as it goes, so the peak memory
-stays bounded whatever the corpus size (measured in docs/data.md: "Preparing a corpus"). The tokenizer
-(given, or trained on the corpus) is saved beside the data; prepared.json records the settings, which
-a run must match.
+Without --store, datatrove (packed MLM) or `datasets.map` (the rest) stream in batches, written to disk as they go,
+so the peak memory stays bounded whatever the corpus size (measured in docs/data.md). The tokenizer (given, or
+trained on the corpus) is saved beside the data; prepared.json records the settings, which a run must match.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -36,6 +38,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")   # one process: let the Rust tokenizer use the cores
 
 from bert_recipes.config import ConfigError, load_config, validate   # noqa: E402
+from bert_recipes.tasks import TASKS   # noqa: E402
 from bert_recipes.data.files import resolve_into   # noqa: E402
 from bert_recipes.data import prepare_data   # noqa: E402
 from bert_recipes.data.prepared import PREPARED_META, prepared_signature   # noqa: E402
@@ -149,6 +152,20 @@ def prepare(cfg, out: Path) -> dict:
     return meta
 
 
+def prepare_run_stores(cfg, out: Path, workers: int) -> dict:
+    """A packed MLM recipe's token stores, as its run makes them on first use (bert_recipes/data/store_cache.py), made
+    ahead of time with `workers` processes into `out` as the run's data.cache_dir (the text as datasets read it, the
+    tokenizer trained on it if the recipe trains one, a store a split). -> what was made."""
+    cfg.data.cache_dir = str(out)
+    cfg.data.num_proc = workers if workers > 1 else cfg.data.num_proc
+    t0 = time.perf_counter()
+    tokenizer, data, _, _ = prepare_data(cfg.data, cfg.task, cfg.tokenizer, cfg.model.name_or_path, cfg.run.seed,
+                                         out / "tokenizer", True, lambda: None)
+    tokenizer.save_pretrained(out / "tokenizer")   # for a node without the Hub: --tokenizer.name_or_path=OUT/tokenizer
+    return {"blocks": {split: len(blocks) for split, blocks in data.items()},
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
 STORE_BYTES_PER_TEXT_BYTE = 1.0   # a uint16 store of English text and its index: 0.74 measured on the sample (tools
 # /prepare.py --store: 610,723 tokens, 1.22 MB of ids and 63 KB of index for 1.66 MB of text); 1.0 leaves a margin
 
@@ -157,7 +174,7 @@ def prepare_store(cfg, out: Path, workers: int, part: int = 0, parts: int = 1) -
     """data.train_files -> a token store at `out` (bert_recipes/data/store.py), with the recipe's tokenizer beside it;
     the disk's free space is checked against the estimate before any work."""
     from bert_recipes.config import nearest_existing
-    from bert_recipes.data.store_writer import check_same_preparation, write_store
+    from bert_recipes.data.store_writer import check_same_preparation, running_datatrove, write_store
     from bert_recipes.data.files import check_kinds
     from bert_recipes.data.tokenizing import vocabulary_fingerprint
     from bert_recipes.places import make_place
@@ -180,7 +197,8 @@ def prepare_store(cfg, out: Path, workers: int, part: int = 0, parts: int = 1) -
         raise ConfigError(f"--out {out}: {free / 1e9:.2f} GB free, and a store of {text_bytes / 1e9:.2f} GB of text "
                           f"needs about {needed / 1e9:.2f} GB ({STORE_BYTES_PER_TEXT_BYTE} byte a byte of text at "
                           f"{size} bytes a token): free space there, or give another --out")
-    check_same_preparation(out, files, vocabulary_fingerprint(tokenizer), cfg.data.text_column)
+    check_same_preparation(out, [[f, os.path.getsize(f)] for f in files], vocabulary_fingerprint(tokenizer),
+                           cfg.data.text_column)
     make_place("--out", str(out))
     if not (out / "tokenizer").is_dir():   # a SLURM array's parts share `out`: the first to rename its copy wins
         mine = out / f"tokenizer.{os.getpid()}.tmp"
@@ -190,13 +208,26 @@ def prepare_store(cfg, out: Path, workers: int, part: int = 0, parts: int = 1) -
         except OSError:
             shutil.rmtree(mine, ignore_errors=True)
     t0 = time.perf_counter()
-    log = out / "prepare.log"   # datatrove's own lines (a line a task, its stats): the terminal gets one line
-    with open(log, "a") as quiet, contextlib.redirect_stderr(quiet):
+    with running_datatrove(out / "prepare.log"):   # a line a task, its stats: the terminal gets one line
         meta = write_store(files, out, out / "tokenizer", cfg.data.text_column, builder, workers,
                            vocabulary_fingerprint(tokenizer), part, parts)
     if meta is not None:
         meta["seconds"] = round(time.perf_counter() - t0, 1)
     return meta
+
+
+def prepared_splits(path: Path, seq: int) -> dict:
+    """The splits a tool's workload was prepared into: a token store's blocks of `seq` tokens (store.json: packed MLM,
+    its last 5% held out) or datasets' tokenized splits (prepared.json). The tools' own reading of both (make bench's
+    Trainer, tools/quality.py)."""
+    if (Path(path) / "store.json").is_file():
+        from transformers import AutoTokenizer
+
+        from bert_recipes.data.store import store_splits
+        specials = AutoTokenizer.from_pretrained(str(Path(path) / "tokenizer")).all_special_ids
+        return store_splits(str(path), seq, specials, False, 5, None, None)
+    from datasets import DatasetDict
+    return DatasetDict.load_from_disk(str(Path(path) / "data"))
 
 
 def main(argv=None) -> int:
@@ -223,9 +254,6 @@ def main(argv=None) -> int:
         validate(cfg)
         if cfg.data.source == "prepared":
             raise ConfigError("data.source=prepared: that recipe reads prepared data; prepare from its source")
-        if cfg.data.mixture:
-            raise ConfigError("data.mixture: make prepare does not write mixtures (a mixed run tokenizes each source "
-                              "once and reads datasets' cache after): train from the sources (data.source=files)")
         for line in resolve_into(cfg.data):   # patterns and directories: the files, as a run resolves them
             print(line, flush=True)
         if args.store:
@@ -240,6 +268,15 @@ def main(argv=None) -> int:
                   f"({meta['dtype']}, {len(meta['shards'])} shards) in {meta['seconds']}s; train with "
                   f"--data.source=store --data.store_dir={args.out}")
             return 0
+        if TASKS[cfg.task.kind].masked_lm and cfg.data.packing:
+            meta = prepare_run_stores(cfg, Path(args.out), args.workers)
+            print(f"[prepare] {args.out}: token stores of " + ", ".join(f"{split} ({n:,} blocks of "
+                  f"{cfg.data.max_seq_length} tokens)" for split, n in meta["blocks"].items()) + f" in {meta['seconds']}s;"
+                  f" a run of this recipe finds them with --data.cache_dir={args.out}")
+            return 0
+        if cfg.data.mixture:
+            raise ConfigError("data.mixture: make prepare writes a mixture's token stores (packed MLM: data.packing="
+                              "true); a mixture a line a row tokenizes each source once into datasets' cache")
         meta = prepare(cfg, Path(args.out))
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)

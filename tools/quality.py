@@ -82,21 +82,24 @@ CONTROLS = ("quarter-lr", "half-labels")
 
 # ----------------------------------------------------------------------------- the data and the initial weights
 def prepare_data(root: Path, sample_dir: Path, kind: str, hyper: dict) -> Path:
-    """The sample's packed MLM blocks, or its classification task, tokenized once (tools/prepare.py) with the
-    side's tokenizer at its sequence length."""
+    """The sample's pretraining text as a token store (tools/prepare.py --store: packed blocks, its last 5% held out),
+    or its classification task tokenized once (tools/prepare.py), with the side's tokenizer."""
     sys.path.insert(0, str(REPO / "tools"))
-    from prepare import prepare
+    from prepare import prepare, prepare_store
 
     from bert_recipes.config import load_config, validate
+    from bert_recipes.data.sample import build_sample
     out = root / f"{kind}-{hyper['seq']}"
-    if not (out / "prepared.json").exists():
+    if not (out / ("store.json" if kind == "mlm" else "prepared.json")).exists():
+        build_sample(sample_dir)
         recipe = {"mlm": "tiny-mlm.yaml", "classify": "tiny-classify.yaml"}[kind]
         cfg = load_config(REPO / "recipes" / recipe, [
             f"data.max_seq_length={hyper['seq']}", f"data.sample_dir={sample_dir}", f"data.cache_dir={root / 'cache'}",
             "model.name_or_path=null", "model.max_position_embeddings=512",
-            f"tokenizer.name_or_path={hyper['tokenizer']}"])
+            f"tokenizer.name_or_path={hyper['tokenizer']}"]
+            + (["data.source=files", f"data.train_files=[{sample_dir / 'pretrain/train.txt'}]"] if kind == "mlm" else []))
         validate(cfg)
-        prepare(cfg, out)
+        prepare_store(cfg, out, workers=1) if kind == "mlm" else prepare(cfg, out)
     return out
 
 
@@ -166,7 +169,8 @@ def run_train_py(kind: str, start: Path, prepared: Path, out_dir: Path, seed: in
     lr = hyper["lr"] / 4 if control == "quarter-lr" else hyper["lr"]
     recipe = {"mlm": "tiny-mlm.yaml", "classify": "tiny-classify.yaml"}[kind]
     argv = ["--recipe", str(REPO / "recipes" / recipe), f"--run.output_dir={out_dir}", "--run.overwrite=true",
-            f"--run.seed={seed}", "--data.source=prepared", f"--data.prepared_dir={prepared}",
+            f"--run.seed={seed}", *([f"--data.source=store", f"--data.store_dir={prepared}"] if kind == "mlm" else
+                                   ["--data.source=prepared", f"--data.prepared_dir={prepared}"]),
             f"--data.max_seq_length={hyper['seq']}", "--data.num_workers=0", f"--model.name_or_path={start}",
             f"--tokenizer.name_or_path={hyper['tokenizer']}", f"--train.max_steps={hyper['steps']}",
             f"--train.global_batch_size={MICRO * ACCUM}", f"--train.micro_batch_size={MICRO}",
@@ -194,7 +198,7 @@ def run_trainer(kind: str, start: Path, prepared: Path, out_dir: Path, seed: int
                 order: list[list[int]]) -> None:
     """The Trainer from the same start on the same micro batches in train.py's order, the same maths."""
     from accelerate.state import AcceleratorState, GradientState
-    from datasets import DatasetDict
+    from prepare import prepared_splits
     from transformers import (AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer,
                               DataCollatorForLanguageModeling, DataCollatorWithPadding, Trainer, TrainingArguments)
     tokenizer = AutoTokenizer.from_pretrained(hyper["tokenizer"])
@@ -214,7 +218,7 @@ def run_trainer(kind: str, start: Path, prepared: Path, out_dir: Path, seed: int
         lr_scheduler_type="linear", weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, save_strategy="no", report_to=[], logging_steps=10 ** 9, dataloader_num_workers=0,
         use_cpu=True, seed=seed, disable_tqdm=True, optim="adamw_torch_fused", dataloader_drop_last=True)
-    train_set = DatasetDict.load_from_disk(str(prepared / "data"))["train"]
+    train_set = prepared_splits(prepared, hyper["seq"])["train"]
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     trainer = Replay(model=model, args=args, train_dataset=train_set, data_collator=collator)
@@ -224,13 +228,14 @@ def run_trainer(kind: str, start: Path, prepared: Path, out_dir: Path, seed: int
 
 
 # ----------------------------------------------------------------------------- one evaluator
-def evaluate_mlm(model_dir: Path, prepared: Path) -> dict:
+def evaluate_mlm(model_dir: Path, prepared: Path, seq: int) -> dict:
     """MLM eval loss and accuracy over the eval split under EVAL_DRAWS per-token 15% mask draws (torch seed
     EVAL_SEED: the same masks for every model)."""
     import torch
-    from datasets import DatasetDict
+    from prepare import prepared_splits
     from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling
-    rows = DatasetDict.load_from_disk(str(prepared / "data"))["eval"]["input_ids"]
+    split = prepared_splits(prepared, seq)["eval"]
+    rows = [row["input_ids"].tolist() for row in split.__getitems__(range(len(split)))]
     mask = DataCollatorForLanguageModeling(AutoTokenizer.from_pretrained(TOKENIZER), mlm_probability=0.15)
     model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
     loss = correct = count = 0
@@ -367,7 +372,7 @@ def score(jobs: list[dict], out: Path, data: dict, hyper: dict, seeds: list[int]
         variant = job["side"] + (f" {job['control']}" if job.get("control") else "")
         metrics = results.setdefault(variant, {}).setdefault(str(job["seed"]), {})
         if job["kind"] == "mlm":
-            metrics.update(evaluate_mlm(model_dir(job, out), Path(data["mlm"])))
+            metrics.update(evaluate_mlm(model_dir(job, out), Path(data["mlm"]), hyper["mlm"]["seq"]))
         else:
             metrics["classify_accuracy"] = evaluate_classifier(model_dir(job, out), Path(data["classify"]))
     report = {"seeds": seeds, **hyper, "micro": MICRO, "accum": ACCUM, "results": results,

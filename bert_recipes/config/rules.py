@@ -226,8 +226,8 @@ def check_mixture(cfg: Config) -> None:
         return
     if not TASKS[cfg.task.kind].masked_lm or d.source != "files":
         raise ConfigError(f"data.mixture samples pretraining sources by weight: it needs task.kind=mlm and "
-                          f"data.source=files (now task.kind={cfg.task.kind}, data.source={d.source}); make prepare "
-                          "does not write mixtures: remove data.mixture, or set both")
+                          f"data.source=files (now task.kind={cfg.task.kind}, data.source={d.source}): remove "
+                          "data.mixture, or set both")
     if d.train_files or d.validation_files:
         raise ConfigError("data.mixture and data.train_files / data.validation_files are both set: the mixture's "
                           "sources are the training files, each holding out data.validation_split_percentage for "
@@ -324,8 +324,14 @@ def validate(cfg: Config) -> None:
                           "data.source=files (data.train_files) or data.source=hub (data.dataset_name)")
     if d.source == "hub" and not d.dataset_name:
         raise ConfigError("data.source=hub needs data.dataset_name (e.g. wikitext or glue)")
+    if d.source == "prepared" and TASKS[cfg.task.kind].masked_lm and d.packing:
+        raise ConfigError("data.source=prepared: packed MLM reads a token store now, which a run makes of its text on "
+                          "first use, in data.cache_dir (bert_recipes/data/store_cache.py): give the source the directory "
+                          "was prepared from (data.source=sample, hub or files); to make the store ahead of time, make "
+                          "prepare RECIPE=<this recipe> OUT=DIR, then train with --data.cache_dir=DIR")
     if d.source == "prepared" and not d.prepared_dir:
-        raise ConfigError("data.source=prepared needs data.prepared_dir (a directory written by make prepare)")
+        raise ConfigError("data.source=prepared needs data.prepared_dir (a directory written by make prepare: "
+                          "classification, or MLM a line a row)")
     if d.source == "store" and not d.store_dir:
         raise ConfigError("data.source=store needs data.store_dir (a directory written by make prepare STORE=1)")
     if d.source == "store" and not (TASKS[cfg.task.kind].masked_lm and d.packing):

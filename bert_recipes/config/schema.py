@@ -188,11 +188,13 @@ class DataConfig:
     file, a directory or a glob pattern, resolved into the run's config: bert_recipes/data/files.py). store: a token
     store (store_dir) for MLM pretraining on a large corpus."""
     prepared_dir: Optional[str] = None
-    """source: prepared: a directory written by `make prepare` (tools/prepare.py): the tokenized,
-    packed splits, memory-mapped by every rank, and the tokenizer; training starts in seconds."""
+    """source: prepared: a directory written by `make prepare` (tools/prepare.py) for classification or MLM a line a
+    row: the tokenized splits, memory-mapped by every rank, and the tokenizer; training starts in seconds. (Packed MLM
+    reads a token store: its run makes one on first use.)"""
     store_dir: Optional[str] = None
-    """source: store: a token store written by `make prepare STORE=1` (datatrove: flat token files and their documents'
-    boundaries, bert_recipes/data/store.py): packed MLM blocks memory-mapped from it, the last
+    """source: store: a token store of data.train_files written ahead of time by `make prepare STORE=1` (datatrove:
+    flat token files and their documents' boundaries, bert_recipes/data/store.py; on many machines:
+    slurm/prepare.sbatch): packed MLM blocks memory-mapped from it, the last
     validation_split_percentage of them held out for evaluation; the tokenizer beside it."""
     dataset_name: Optional[str] = None
     dataset_config: Optional[str] = None
@@ -224,8 +226,9 @@ class DataConfig:
     torch.compile recompile. auto: 8 on GPUs, off on CPUs; 0: off (each batch padded to its longest, rounded up to a
     multiple of 8 on GPUs). At most 8: dynamo's recompile limit (train.compile compiles each bin once)."""
     packing: bool = True
-    """mlm only. True: concatenate then chunk into full blocks (no padding, standard for
-    pretraining). False: one line per example, padded dynamically per batch."""
+    """mlm only. True: concatenate then chunk into full blocks (no padding, standard for pretraining), read from a
+    token store the run makes of its text on first use, in the data cache (bert_recipes/data/store_cache.py).
+    False: one line per example, padded dynamically per batch."""
     document_mask: bool = False
     """Packed MLM: attention stays within each document of a packed row, and positions restart at each document
     (a document: a line of .txt, a row of JSON, CSV or parquet; a document longer than a block is cut, and its
@@ -270,7 +273,8 @@ class DataConfig:
     records the limits it was prepared with; a run must give the same."""
     max_eval_samples: Optional[int] = ranged(None, **POSITIVE)
     num_proc: Optional[int] = ranged(None, low=1, hint="processes")
-    """Processes for datasets.map tokenization (results are cached by fingerprint)."""
+    """Processes that tokenize: datatrove's, making a packed MLM run's token stores; datasets.map's for the rest
+    (results are cached by fingerprint)."""
     num_workers: Union[int, Literal["auto"]] = ranged("auto", low=0, also=("auto",))
     """DataLoader worker processes per rank. auto: 0 on CPUs (the step needs every core), and on GPUs
     min(4, cores this rank may use - 1): the cores of os.sched_getaffinity shared by the node's ranks

@@ -10,9 +10,9 @@ from ..config import DataConfig, TaskConfig, TokenizerConfig
 from ..disk import full_disk_is_one_line, fullest
 from ..places import make_place
 from ..ranks import main_first
-from ..tasks import kind_of
+from ..tasks import TASKS, kind_of
 from .prepared import load_prepared
-from .sources import load_raw
+from .sources import data_cache, load_raw
 from .tokenizer import get_tokenizer
 
 
@@ -54,8 +54,9 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
                               broadcast)
     if data_cfg.mixture:   # each source tokenized (and packed) on its own, then joined (bert_recipes/data/mixture.py)
         raw = DatasetDict({k: v for k, v in raw.items() if "@" in k})
+    stored = TASKS[task.kind].masked_lm and data_cfg.packing   # tasks/mlm.py writes token stores
     with main_first(*first), full_disk_is_one_line(
-            "the tokenized data cache", cache, 0, lambda: tokenized_bytes(raw, data_cfg.max_seq_length), DATA_THEN):
+            "the tokenized data cache", cache, 0, lambda: tokenized_bytes(raw, data_cfg, stored), DATA_THEN):
         data = kind_of(task.kind).tokenize(raw, tokenizer, task, data_cfg)
     if data_cfg.mixture:
         from .mixture import joined_sources   # torch at import: not for the data modules a preflight reads
@@ -82,14 +83,13 @@ DATA_THEN = ("nothing was trained and the output directory is untouched: free sp
              "a larger disk), then run again")
 
 
-def data_cache(data_cfg: DataConfig) -> Path:
-    """Where datasets writes this run's caches: data.cache_dir, else the library's own."""
-    import datasets
-    return Path(data_cfg.cache_dir) if data_cfg.cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
-
-
-def tokenized_bytes(raw, max_seq_length: int) -> tuple[int, str]:
-    """An estimate of the tokenized cache's size: every row at most max_seq_length tokens, in three int32
+def tokenized_bytes(raw, data_cfg: DataConfig, stored: bool) -> tuple[int, str]:
+    """An estimate of the tokenized data's size. In token stores (`stored`: packed MLM, store_cache.py): the text's
+    bytes (a uint16 store and its index take 0.74 a byte of English text: tools/prepare.py's
+    STORE_BYTES_PER_TEXT_BYTE). In datasets' cache: every row at most data.max_seq_length tokens, in three int32
     columns (input ids, token types, attention mask)."""
-    rows = sum(len(split) for split in raw.values())
-    return rows * max_seq_length * 12, f"an estimate: {rows} rows x {max_seq_length} tokens x 3 int32 columns"
+    if stored:
+        text = sum(split.data.nbytes for split in raw.values())
+        return text, f"an estimate: a byte a byte of the {text / 1e6:.1f} MB of text read"
+    rows, seq = sum(len(split) for split in raw.values()), data_cfg.max_seq_length
+    return rows * seq * 12, f"an estimate: {rows} rows x {seq} tokens x 3 int32 columns"

@@ -101,8 +101,8 @@ class Indexed(Dataset):
     """Adds each row's index as 'idx', which the MLM collator seeds its masking from. An index past the last row reads
     row index mod rows (a data.mixture's later passes: bert_recipes/data/mixture.py), and keeps its own idx.
 
-    `__getitems__` reads a whole micro batch in one Arrow call (the DataLoader's fetcher uses it when
-    it exists): row by row, a micro batch of 256 costs 256 table slices and conversions on the
+    `__getitems__` reads a whole micro batch in one Arrow call, or one call of a token store's (the DataLoader's
+    fetcher uses it when it exists): row by row, a micro batch of 256 costs 256 table slices and conversions on the
     process that collates (the training process itself with data.num_workers=0); here, one."""
 
     def __init__(self, dataset):
@@ -117,15 +117,20 @@ class Indexed(Dataset):
     def __getitems__(self, indices) -> list[dict]:
         """Rows `indices` (any sequence of ints: a list, a tuple, a tensor) as __getitem__ gives them."""
         indices = [int(i) for i in indices]
-        if not hasattr(self.dataset, "column_names"):   # not a datasets.Dataset (a list of rows): one by one
-            return [self[i] for i in indices]
         n = len(self.dataset)
+        if not hasattr(self.dataset, "column_names"):   # a token store's blocks (data/store.py): their batched read;
+            if hasattr(self.dataset, "__getitems__"):   # a list of rows: one by one
+                return [{**row, "idx": i} for row, i in zip(self.dataset.__getitems__([i % n for i in indices]), indices)]
+            return [self[i] for i in indices]
         columns = self.dataset[[i % n for i in indices]]   # {column: [value of each row]}
         return [{**{k: values[j] for k, values in columns.items()}, "idx": i} for j, i in enumerate(indices)]
 
 
 def sequence_lengths(dataset, column: str = "input_ids") -> list[int]:
-    """The token count of every row, from Arrow's list lengths (no row is converted to Python)."""
+    """The token count of every row, from Arrow's list lengths (no row is converted to Python); a token store's blocks
+    (data/store.py) say theirs."""
+    if hasattr(dataset, "lengths"):
+        return dataset.lengths()
     import pyarrow.compute as pc
     values = dataset.with_format("arrow")[column]
     return pc.list_value_length(values).to_pylist()

@@ -178,14 +178,18 @@ class MixedOrder(torch.utils.data.Sampler):
         return (int(i) for i in self.mixture.ids(self.epoch))   # an array, read as the loader asks
 
 
-def joined_sources(data, names: list[str]):
+def joined_sources(data, names: list[str]) -> dict:
     """The tokenized sources (train@<name>, eval@<name>) with 'train' and 'eval' their concatenations, in the
-    mixture's order (no copy: Arrow tables side by side)."""
-    from datasets import DatasetDict, concatenate_datasets
+    mixture's order (no copy: token stores' blocks, or Arrow tables, side by side)."""
+    from datasets import Dataset, concatenate_datasets
+
+    from .store import JoinedBlocks
     out = dict(data)
     for split in ("train", "eval"):
-        out[split] = concatenate_datasets([data[f"{split}@{name}"] for name in names])
-    return DatasetDict(out)
+        parts = [data[f"{split}@{name}"] for name in names]
+        out[split] = (concatenate_datasets(parts) if all(isinstance(p, Dataset) for p in parts) else
+                      JoinedBlocks(parts))
+    return out
 
 
 def source_mixture(data_cfg, data, seed: int, read: int) -> Mixture | None:
@@ -205,4 +209,4 @@ def source_mixture(data_cfg, data, seed: int, read: int) -> Mixture | None:
     lengths = [sequence_lengths(data[f"train@{name}"]) for name in names]
     return Mixture(names=tuple(names), weights=tuple(s.weight for s in data_cfg.mixture),
                    sizes=tuple(len(x) for x in lengths), eval_sizes=tuple(len(data[f"eval@{n}"]) for n in names),
-                   tokens=tuple(sum(x) / len(x) for x in lengths), seed=seed, read=read)
+                   tokens=tuple(float(np.mean(x)) for x in lengths), seed=seed, read=read)

@@ -52,9 +52,9 @@ def read_dataset(name: str, config: str | None, data: DataConfig, name_key: str,
         named = f"{name_key}={name}" + (f" ({config_key}={config})" if config else "")
         cache = (f"{data.cache_dir} (data.cache_dir)" if data.cache_dir else
                  f"{datasets.config.HF_DATASETS_CACHE} (datasets' own: data.cache_dir is unset)")
-        fetch = ("run make prepare RECIPE=<this recipe> (it downloads into that cache and writes prepared data: then "
-                 "--data.source=prepared --data.prepared_dir=OUT)" if not data.mixture else   # prepare: no mixtures
-                 f"load it once into that cache (python -c \"import datasets; datasets.load_dataset('{name}'"
+        fetch = ("run make prepare RECIPE=<this recipe> OUT=DIR (it downloads and tokenizes the data: then "
+                 "--data.cache_dir=DIR for packed MLM, --data.source=prepared --data.prepared_dir=DIR for the rest)"
+                 if not data.mixture else f"load it once into that cache (python -c \"import datasets; datasets.load_dataset('{name}'"
                  + (f", '{config}'" if config else "") + (f", cache_dir='{data.cache_dir}'" if data.cache_dir else "")
                  + ")\")")
         raise ConfigError(
@@ -98,6 +98,13 @@ READERS = {"sample": read_sample, "hub": read_hub, "files": read_data_files}   #
 
 
 # ---------------------------------------------------------------------------- splits
+def data_cache(data: DataConfig) -> Path:
+    """Where datasets writes this run's caches (and a packed MLM run its token stores: store_cache.py): data.cache_dir,
+    else the library's own."""
+    import datasets
+    return Path(data.cache_dir) if data.cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
+
+
 def load_raw(data: DataConfig, task: TaskConfig, seed: int):
     """-> DatasetDict of raw rows: 'train', 'eval', and 'eval:<split>' / 'test:<split>' for
     data.extra_eval_splits / data.test_splits (data.mixture: load_mixture's)."""

@@ -34,6 +34,11 @@ def check_store_dir(store_dir: str) -> Path:
     if kind == "missing":
         raise ConfigError(f"data.store_dir={store_dir}: no such directory: write a token store there with make prepare "
                           f"RECIPE=<this recipe> STORE=1 OUT={store_dir}")
+    if not (root / STORE_META).is_file() and (root / "prepared.json").is_file():
+        raise ConfigError(f"data.store_dir={store_dir} holds prepared data (prepared.json: the packed MLM directories "
+                          "make prepare wrote before token stores), not a token store: write one with make prepare "
+                          "RECIPE=<this recipe> STORE=1 OUT=<a new directory>, or train from the source with "
+                          "data.source=files (a run makes its own store on first use)")
     if not (root / STORE_META).is_file():
         raise ConfigError(f"data.store_dir={store_dir} holds no token store ({STORE_META} missing: an interrupted "
                           "preparation writes it last): write it with make prepare RECIPE=<this recipe> STORE=1 "
@@ -84,6 +89,10 @@ class StoreBlocks:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def lengths(self) -> np.ndarray:
+        """Every block's tokens (batching.sequence_lengths): all full."""
+        return np.full(len(self), self.seq, dtype=np.int64)
+
     def training_order(self, seed: int):
         """The training loader's sampler: each epoch's order computed from the position (batching.PermutedOrder),
         so no rank holds a list of the store's blocks."""
@@ -97,18 +106,46 @@ class StoreBlocks:
         return other
 
     def __getitem__(self, i: int) -> dict:
-        block = self.rows[i]
-        shard = int(np.searchsorted(self.first, block, side="right")) - 1
-        start = (block - int(self.first[shard])) * self.seq
-        ids = np.asarray(self.store.tokens(shard)[start:start + self.seq], dtype=np.int64)
-        special = self.special[np.minimum(ids, len(self.special) - 1)] & (ids < len(self.special))
-        row = {"input_ids": ids, "special_tokens_mask": special.astype(np.int64)}
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices) -> list[dict]:
+        """Rows `indices` at once: each block a slice of its shard's map, the special tokens of all of them in one
+        lookup (batching.Indexed hands a micro batch over in one call)."""
+        blocks = np.asarray([self.rows[int(i)] for i in indices], dtype=np.int64)
+        shards = np.searchsorted(self.first, blocks, side="right") - 1
+        starts = (blocks - self.first[shards]) * self.seq
+        ids = np.stack([self.store.tokens(int(shard))[start:start + self.seq] for shard, start in zip(shards, starts)]
+                       ).astype(np.int64) if len(blocks) else np.zeros((0, self.seq), dtype=np.int64)
+        special = (self.special[np.minimum(ids, len(self.special) - 1)] & (ids < len(self.special))).astype(np.int64)
+        rows = [{"input_ids": ids[j], "special_tokens_mask": special[j]} for j in range(len(blocks))]
         if self.documents:
-            ends = self.store.ends(shard)
-            first = int(np.searchsorted(ends, start, side="right"))   # the document the block starts in
-            ids_within = np.searchsorted(ends[first:], np.arange(start, start + self.seq), side="right")
-            row["document_ids"] = ids_within.astype(np.int64)
-        return row
+            within = np.arange(self.seq)
+            for row, shard, start in zip(rows, shards, starts):
+                ends = self.store.ends(int(shard))
+                first = int(np.searchsorted(ends, start, side="right"))   # the document the block starts in
+                row["document_ids"] = np.searchsorted(ends[first:], start + within, side="right").astype(np.int64)
+        return rows
+
+
+class JoinedBlocks:
+    """Several stores' blocks one after the other (a mixture's sources: mixture.joined_sources), read as one split."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.first = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.first[-1])
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([p.lengths() for p in self.parts])
+
+    def __getitem__(self, i: int) -> dict:
+        part = int(np.searchsorted(self.first, i, side="right")) - 1
+        return self.parts[part][i - int(self.first[part])]
+
+    def __getitems__(self, indices) -> list[dict]:
+        return [self[int(i)] for i in indices]
 
 
 def store_splits(store_dir: str, seq: int, special_ids: list[int], documents: bool, percent: float,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..config import ConfigError, DataConfig, TokenizerConfig, first_line
 from ..ranks import on_rank0
-from .sources import hub_unreachable, offline_note, texts
+from .sources import data_cache, hub_unreachable, offline_note, texts
 from .tokenizing import TOKENIZE_VERSION
 
 
@@ -62,8 +62,9 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
                     f"{key}={name}: the Hub cannot be reached and the tokenizer is not in the cache "
                     f"{constants.HF_HUB_CACHE} (huggingface_hub's, under HF_HOME); "
                     f"{offline_note(constants.HF_HUB_OFFLINE, ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'))}: on a node "
-                    "that reaches the Hub, run make prepare RECIPE=<this recipe> (it saves the tokenizer beside the "
-                    "prepared data: then --data.source=prepared --data.prepared_dir=OUT), or point HF_HOME at shared "
+                    "that reaches the Hub, run make prepare RECIPE=<this recipe> OUT=DIR (it saves the tokenizer with "
+                    "the data: then --data.cache_dir=DIR --tokenizer.name_or_path=DIR/tokenizer for packed MLM, "
+                    "--data.source=prepared --data.prepared_dir=DIR for the rest), or point HF_HOME at shared "
                     "storage that holds the download, or give a local tokenizer directory") from None
             raise ConfigError(f"{key}={name}: cannot load a tokenizer from it ({first_line(err)}); give a directory with "
                               "tokenizer files (an export's model/ has them) or a Hub name") from None
@@ -98,11 +99,9 @@ def get_tokenizer(tok_cfg: TokenizerConfig, model_name_or_path: str | None, trai
 
 
 def _trained_tokenizer_dir(train_raw, data: DataConfig, tok_cfg: TokenizerConfig) -> Path:
-    import datasets
     key = json.dumps([train_raw._fingerprint, data.text_column, data.text_pair_column, tok_cfg.vocab_size,
                       tok_cfg.lowercase, TOKENIZE_VERSION])
-    root = Path(data.cache_dir) if data.cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
-    return root / "bert_recipes_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+    return data_cache(data) / "bert_recipes_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
 def tokenizer_identity(name: str | None) -> str | None:

@@ -7,7 +7,6 @@ resumed run equal an uninterrupted one."""
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 from typing import Any
 
@@ -21,39 +20,23 @@ from ..data.tokenizing import map_splits, tokenizer_fingerprint
 
 
 def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig):
-    """-> DatasetDict of model inputs: each non-empty line tokenized, then (data.packing) concatenated and cut into
-    full blocks of data.max_seq_length, each token's document within its block with data.document_mask. Cached
-    by datasets' fingerprint of (data, function, tokenizer)."""
+    """-> each split's model inputs. data.packing: the split's text in a token store (bert_recipes/data/store_cache.py:
+    tokenized once by datatrove into the data cache, found there by the next run), read as full blocks of
+    data.max_seq_length tokens, each token's document within its block with data.document_mask (a document cut at a
+    block's start goes on there as its document 0). Else each non-empty line tokenized and truncated to
+    data.max_seq_length, cached by datasets' fingerprint of (data, function, tokenizer)."""
+    if data.packing:
+        from ..data.store_cache import stored_splits
+        return stored_splits(raw, tokenizer, data)
     seq = data.max_seq_length
     columns = next(iter(raw.values())).column_names   # the training split's (a mixture: every source's, one column)
 
     def encode(batch):
         lines = [t for t in batch[data.text_column] if t and t.strip()]
-        if data.packing:
-            return tokenizer(lines, return_special_tokens_mask=True)
         return tokenizer(lines, truncation=True, max_length=seq, return_special_tokens_mask=True)
 
     key = ["mlm", tokenizer_fingerprint(tokenizer), seq, data.packing, data.text_column]
-    tokenized = map_splits(raw, encode, key, "tokenizing", data.num_proc, columns)
-    if not data.packing:
-        return tokenized
-    documents = data.document_mask
-
-    def group(batch):
-        # concatenate every sequence, then cut into full blocks of max_seq_length; the tail is dropped.
-        # data.document_mask: each token's document within its block too (document_ids: 0, 0, ..., 1, 1, ...;
-        # a document cut at a block's end goes on in the next block as that block's document 0)
-        joined = {k: list(itertools.chain.from_iterable(batch[k])) for k in batch}
-        if documents:
-            joined["document_ids"] = [d for d, ids in enumerate(batch["input_ids"]) for _ in ids]
-        n = (len(joined["input_ids"]) // seq) * seq
-        blocks = {k: [v[i:i + seq] for i in range(0, n, seq)] for k, v in joined.items()}
-        if documents:
-            blocks["document_ids"] = [[d - block[0] for d in block] for block in blocks["document_ids"]]
-        return blocks
-
-    return map_splits(tokenized, group, key + ["group"] + (["documents"] if documents else []),
-                      f"packing into {seq}-token blocks", data.num_proc, None)
+    return map_splits(raw, encode, key, "tokenizing", data.num_proc, columns)
 
 
 def notes(tokenized, task: TaskConfig) -> list[str]:
