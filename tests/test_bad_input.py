@@ -178,7 +178,7 @@ CASES = [
      "checkpoint.push_to_hub needs checkpoint.hub_model_id"),
     ("best by a metric the task does not report", lambda c, m: c.args(**{"checkpoint.metric_for_best": "accuracy"}),
      "checkpoint.metric_for_best=accuracy is not among this task's evaluation metrics"),
-    ("prepared data that is not there", lambda c, m: c.args(**{"data.source": "prepared",
+    ("prepared data that is not there", lambda c, m: c.args(**{"data.source": "prepared", "data.packing": False,
                                                                "data.prepared_dir": c.tmp / "nothing"}),
      "holds no prepared data (prepared.json missing): write it with make prepare"),
     ("test predictions for MLM", lambda c, m: c.args(**{"data.test_splits": "[test]"}),

@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, assert_same_weights, launch, refused_in_process, run_in_process, tiny_args
 
 TOL = 1e-5   # fp32, dropout off: another process count sums in another order
-LONG = 2_300_000   # characters of one document: cut into 3 pieces (store.LONGEST_DOCUMENT_CHARS = 1,000,000)
+LONG = 2_300_000   # characters of one document: cut into 24 to 46 pieces (store_writer.LONGEST_DOCUMENT_CHARS: 100,000)
 
 
 def parquet_tree(root: Path, sample_dir: Path, shards: int = 3, long_document: bool = True) -> list[Path]:
@@ -69,7 +69,7 @@ def store(tmp_path_factory, sample_dir, shared_tokenizer):
 def test_a_store_holds_the_tokenizers_ids_for_every_document(store, shared_tokenizer):
     """Each shard is its input file's documents in order, each as the tokenizer itself encodes it ([CLS] ... [SEP]),
     in uint16 with each document's end in the index; the manifest counts them; the document of LONG characters is
-    cut at spaces into 3 pieces whose words are the whole document's."""
+    cut at spaces into pieces of at most LONGEST_DOCUMENT_CHARS whose words are the whole document's."""
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
     root, files = store
@@ -87,8 +87,9 @@ def test_a_store_holds_the_tokenizers_ids_for_every_document(store, shared_token
         assert tokens[:len(expected)].tolist() == expected
     last = np.fromfile(root / meta["shards"][-1]["file"], dtype="<u2")
     ends = np.fromfile(root / f"{meta['shards'][-1]['file']}.index", dtype="<u8")
-    pieces = [last[a:b] for a, b in zip(ends[-4:-1], ends[-3:])]   # the long document's 3 pieces
-    assert meta["shards"][-1]["documents"] == len(short) + 3
+    cut = meta["shards"][-1]["documents"] - len(short)   # the long document's pieces
+    assert LONG / 100_000 <= cut <= 2 * LONG / 100_000, cut
+    pieces = [last[a:b] for a, b in zip(ends[-cut - 1:-1], ends[-cut:])]
     words = [i for p in pieces for i in p[1:-1].tolist()]   # each piece without its [CLS] and [SEP]
     whole = pq.read_table(files[-1], columns=["text"])["text"].to_pylist()[-1]
     assert words == tokenizer(whole, add_special_tokens=False)["input_ids"]
@@ -273,3 +274,20 @@ def test_prepared_packed_mlm_is_one_line_pointing_to_the_store(tmp_path, sample_
                               tmp_path / "run", capsys)
     assert f"data.store_dir={tmp_path / 'old'} holds prepared data (prepared.json" in said
     assert "make prepare RECIPE=<this recipe> STORE=1" in said
+
+
+def test_a_book_on_one_line_is_read_and_cut_as_it_comes(tmp_path):
+    """A plain-text line of megabytes (a book on one line) is read in chunks of LONGEST_DOCUMENT_CHARS: the pieces
+    are those that cutting the whole line gives (CutLongDocuments), each at most that long, their text the line's;
+    short lines and blank ones as before. The memory this bounds is measured in docs/data.md."""
+    from bert_recipes.data.store_writer import LONGEST_DOCUMENT_CHARS, CutLongDocuments, LinesReader
+    from datatrove.data import Document
+    words = " ".join(f"w{i % 997}" for i in range(200_000))   # about 1.1 MB, a space every few characters
+    (tmp_path / "book.txt").write_text("a short line\n\n" + words + "\n" + "x" * 250_000 + "\nthe end\n")
+    read = [d.text for d in LinesReader(str(tmp_path)).read_file("book.txt")]
+    whole = [d.text for d in CutLongDocuments(LONGEST_DOCUMENT_CHARS).run(
+        [Document(text=t, id=str(i)) for i, t in enumerate(["a short line", words, "x" * 250_000, "the end"])])]
+    assert read == whole and max(map(len, read)) <= LONGEST_DOCUMENT_CHARS == 100_000
+    assert read[0] == "a short line" and read[-1] == "the end" and "".join(read[1:-4]) == words
+    assert len(read[1:-4]) > len(words) // 100_000 and all(p.endswith(" ") for p in read[1:-5])   # cut at spaces
+    assert read[-4:-1] == ["x" * 100_000, "x" * 100_000, "x" * 50_000]   # no space: cut at the limit

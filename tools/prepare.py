@@ -142,7 +142,6 @@ def prepare(cfg, out: Path) -> dict:
     meta = {"signature": signature, "data_files": {"train": cfg.data.train_files, "validation": cfg.data.validation_files},
             "label_names": cfg.task.label_names, "test_index": test_index,
             "splits": {k: len(v) for k, v in data.items()},
-            "tokens": {k: len(v) * cfg.data.max_seq_length for k, v in data.items()} if cfg.data.packing else None,
             "seconds": {"tokenize_and_pack": round(tokenized_s, 1), "total": round(time.perf_counter() - t0, 1)},
             "peak_rss_mb": dict(zip(("main", "largest_worker"), (round(v) for v in peak_rss_mb()))),
             "peak_anonymous_mb": {"main": round(anon.peak_main), "largest_worker": round(anon.peak_child)}}

@@ -22,8 +22,10 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     """raw text -> tokenizer (loaded, or trained once on rank 0) -> tokenized splits -> collator.
     The data, task and tokenizer sections meet here, with the model's name (its tokenizer) and the seed
     (the split and the masks). Rank 0 goes first (download, tokenize, cache); `barrier` lets the others
-    follow; on several nodes each node's first rank goes next, for a node-local cache (ranks.on_nodes). Prepared
-    data (data.source: prepared) is memory-mapped as `make prepare` wrote it. The task kind's tokenize may
+    follow; on several nodes each node's first rank goes next, for a node-local cache (ranks.on_nodes). Packed MLM's
+    tokenize makes (or finds) a token store a split in the cache (store_cache.py); prepared data (data.source:
+    prepared) and a token store made ahead of time (data.source: store) are memory-mapped as `make prepare` wrote
+    them. The task kind's tokenize may
     write what it learnt of the labels into `task` (classification: task.label_names)."""
     from datasets import DatasetDict
     if data_cfg.source == "prepared":

@@ -1,6 +1,6 @@
-"""Prepared data (data.source=prepared, written by make prepare: tools/prepare.py): tokenized and packed once,
-memory-mapped by every rank, used only by a recipe whose settings agree with those it was prepared with (its
-signature). No torch at import time."""
+"""Prepared data (data.source=prepared, written by make prepare: tools/prepare.py): classification, or MLM a line a
+row, tokenized once, memory-mapped by every rank (packed MLM reads token stores: store.py, store_cache.py), used
+only by a recipe whose settings agree with those it was prepared with (its signature). No torch at import time."""
 from __future__ import annotations
 
 import json
