@@ -89,6 +89,7 @@ class Workload:
     seq: int
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    output_dropout: float | None = None   # the attention output's, where it has its own (ModernBERT); None: the above
     attn_implementation: str = "sdpa"
     sparse_head: bool = True
     masked_tokens: int | None = None   # mlm: rows of the sparse head; None: mlm_probability x tokens

@@ -278,15 +278,17 @@ def workload_of(cfg: Config, config=None, micro_batch: int | None = None, masked
     from .config import predictions_per_seq
     from .mask_rate import largest
     m = cfg.model
-    kept = module(of_config(config)).dropouts(config) if config is not None else (0.1, 0.1)
+    kept = module(of_config(config)).dropouts(config) if config is not None else (0.1, 0.1, None)
     hidden = m.hidden_dropout_prob if m.hidden_dropout_prob is not None else kept[0]
     attention = m.attention_probs_dropout_prob if m.attention_probs_dropout_prob is not None else kept[1]
+    output = m.attention_output_dropout if m.attention_output_dropout is not None else kept[2]
     rate, k = largest(cfg.data, predictions_per_seq(cfg))   # a masking rate that moves: memory for its largest level
     batch = micro_batch or cfg.train.micro_batch_size
     if k is not None and masked_tokens is None:   # the static head: K slots a sequence, every one computed
         masked_tokens = batch * k
     return Workload(batch=batch, seq=cfg.data.max_seq_length, static_head=k is not None,
-                    hidden_dropout=hidden, attention_dropout=attention, attn_implementation=m.attn_implementation,
+                    hidden_dropout=hidden, attention_dropout=attention, output_dropout=output,
+                    attn_implementation=m.attn_implementation,
                     sparse_head=m.sparse_mlm_head, masked_tokens=masked_tokens,
                     mlm_probability=rate, padded=not TASKS[cfg.task.kind].masked_lm,
                     dropout_impl=m.dropout_impl, compile=cfg.train.compile)

@@ -75,8 +75,10 @@ def shrink(recipe: Path, out: Path, sample: Path, cache: Path, tokenizer: Path, 
     if c.checkpoint.init_from:
         args["checkpoint.init_from"] = out / Path(c.checkpoint.init_from).name
     if c.data.mixture:
-        sources = [{**s, "files": [str(sample / Path(f).relative_to("data/sample")) for f in s["files"]]}
-                   for s in raw["data"]["mixture"]]
+        kinds = ("reference", "docstrings")   # a Hub dataset source: one of the sample's two kinds of text
+        sources = [{"name": s["name"], "weight": s.get("weight", 1),
+                    "files": [str(sample / Path(f).relative_to("data/sample")) for f in s["files"]] if "files" in s
+                    else [str(sample / f"pretrain/{kinds[i % 2]}.txt")]} for i, s in enumerate(raw["data"]["mixture"])]
         args["data.mixture"] = json.dumps(sources)
     elif c.data.source == "hub" and c.task.kind == "classification":
         args["data.dataset_name"] = glue

@@ -139,6 +139,8 @@ def test_bad_architecture_fields_are_one_line(tmp_path, sample_dir, datasets_cac
               "(or set model.architecture=bert)"),
              ({"model.local_attention": 64}, "model.local_attention=64 is ModernBERT's; model.architecture=bert has "
                                              "no such field: remove it (or set model.architecture=modernbert)"),
+             ({"model.attention_output_dropout": 0.1}, "model.attention_output_dropout=0.1 is ModernBERT's; "
+              "model.architecture=bert has no such field"),   # BERT's hidden dropout covers its attention output
              ({"model.architecture": "gpt2"}, "model.architecture=gpt2 is not one of bert, modernbert"),
              ({"model.name_or_path": export, "model.architecture": "bert"},   # named: unset, it is the checkpoint's
               f"model.name_or_path={export} is a modernbert model and model.architecture=bert: set "
@@ -173,3 +175,54 @@ def test_a_field_its_row_says_shapes_a_weight_must_match_on_resume(tmp_path, mon
     monkeypatch.setitem(architectures.ARCHITECTURES, "modernbert", row)
     with pytest.raises(ConfigError, match=r"\(model.local_attention: 8 in the checkpoint, 16 now\)"):
         check_checkpoint_fits(tmp_path, now)
+
+
+def test_the_attention_output_drops_at_its_own_rate(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """model.attention_output_dropout=0.1 beside probabilities' dropout 0 (ModernBERT's pretraining): in training each
+    layer zeroes about 10% of Wo's output (binomial bounds, 4 sd) and scales the rest by 1 / 0.9, so the expectation
+    is Wo's; in evaluation it drops nothing. The probabilities' rate stays 0, so a GPU's varlen path is not refused.
+    A run trains with it on documents apart (CPU: the mask path); the export's config.json says attention_dropout 0
+    and attention_output_dropout 0.1, and transformers' own class loads it. Control: unset, transformers' one knob
+    (0) drops nothing (under BERT the field is one line: test_bad_architecture_fields_are_one_line)."""
+    from transformers import AutoModelForMaskedLM
+
+    from bert_recipes.backends.consistency import attention_path
+    from bert_recipes.backends.plan import LaunchPlan
+    cfg = ModelConfig(architecture="modernbert", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=64, local_attention=16,
+                      global_attn_every_n_layers=2, attention_output_dropout=0.1)
+    task = TaskConfig(kind="mlm")
+    model = build_model(cfg, task, config=model_config(cfg, task, 100, 0))
+    assert model.config.attention_dropout == 0 and model.config.attention_output_dropout == 0.1
+    seen = {}
+    for n, layer in enumerate(model.model.layers):
+        layer.attn.Wo.register_forward_hook(lambda m, i, out, n=n: seen.__setitem__(("wo", n), out.detach()))
+        layer.attn.out_drop.register_forward_hook(lambda m, i, out, n=n: seen.__setitem__(("out", n), out.detach()))
+    ids = torch.randint(5, 100, (16, 64))
+    model.train()
+    model(input_ids=ids)
+    for n in range(2):
+        wo, out = seen[("wo", n)], seen[("out", n)]
+        dropped = (out == 0).double().mean().item()
+        assert abs(dropped - 0.1) < 4 * (0.09 / wo.numel()) ** 0.5, dropped   # 32,768 elements: sd 0.0017
+        kept = out != 0
+        torch.testing.assert_close(out[kept], wo[kept] / 0.9)
+    model.eval()
+    model(input_ids=ids)
+    assert all(torch.equal(seen[("out", n)], seen[("wo", n)]) for n in range(2))
+    unset = build_model(ModelConfig(**{**cfg.__dict__, "attention_output_dropout": None}), task,
+                        config=model_config(ModelConfig(**{**cfg.__dict__, "attention_output_dropout": None}), task,
+                                            100, 0))
+    assert all(isinstance(layer.attn.out_drop, torch.nn.Identity) for layer in unset.model.layers)
+    gpu = load_config(None, args(tmp_path / "gpu", sample_dir, datasets_cache, shared_tokenizer, **{
+        "model.attention_output_dropout": 0.1, "train.mixed_precision": "bf16"}))
+    assert attention_path(gpu, LaunchPlan(on_gpu=True)) == "varlen"
+
+    out = tmp_path / "run"
+    metrics = run_in_process(args(out, sample_dir, datasets_cache, shared_tokenizer, **{
+        "model.attention_output_dropout": 0.1, "train.max_steps": 6}))
+    assert metrics["steps"] == 6 and losses(out)[-1] < losses(out)[0]
+    saved = json.loads((out / "model/config.json").read_text())
+    assert saved["attention_dropout"] == 0.0 and saved["attention_output_dropout"] == 0.1
+    loaded = AutoModelForMaskedLM.from_pretrained(out / "model")
+    assert type(loaded).__name__ == "ModernBertForMaskedLM"

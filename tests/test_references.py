@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import sys
 import types
 import warnings
@@ -387,3 +388,48 @@ def test_a_stable_adamw_run_resumes_bit_exact(tmp_path, sample_dir, datasets_cac
     from safetensors.torch import load_file
     a, b = load_file(tmp_path / "full/model/model.safetensors"), load_file(tmp_path / "split/model/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_recipe_that_names_a_reference_keeps_its_values_or_says_why():
+    """recipes/references.tsv: each value of the ModernBERT and BERT phase recipes against the reference's own file
+    (tools/fidelity.py, offline): every row holds, and docs/recipes.md shows the table the tool prints. Controls: a
+    `same` row whose reference is another value, and a `different` row whose recipe has the reference's value, each
+    fail with a line naming the recipe and the key."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import fidelity
+    table = fidelity.rows()
+    assert fidelity.check(table) == []
+    assert fidelity.markdown(table) in (REPO / "docs/recipes.md").read_text()
+    assert {row["recipe"] for row in table} >= {f"recipes/{name}.yaml" for name in (
+        "modernbert-base-mlm", "modernbert-base-context", "modernbert-base-decay", "bert-base-mlm-phase1",
+        "bert-base-mlm-phase2")}
+    same = next(i for i, row in enumerate(table) if row["key"] == "optim.lr" and row["verdict"] == "same")
+    different = next(i for i, row in enumerate(table) if row["verdict"] != "same")
+    drifted = [dict(row) for row in table]
+    drifted[same]["reference"] = "0.123"
+    from bert_recipes.config import load_config
+    recipe_value = fidelity.effective(load_config(REPO / table[different]["recipe"]), table[different]["key"])
+    drifted[different]["reference"] = json.dumps(recipe_value)
+    problems = fidelity.check(drifted)
+    assert len(problems) == 2, problems
+    lr = next(p for p in problems if p.startswith(f"{table[same]['recipe']}: optim.lr="))
+    assert "says 0.123: set it, or say why it differs" in lr
+    assert any(p.startswith(f"{table[different]['recipe']}: {table[different]['key']}=") and "make the row `same`" in p
+               for p in problems)
+
+
+def test_stable_adamw_clips_nothing_unless_a_recipe_says_and_then_warns_as_modernbert():
+    """optim.max_grad_norm unset: 1.0, and 0 (no clipping) under optim.name=stable_adamw, as ModernBERT trains; set
+    with StableAdamW, it clips, and ModernBERT's own warning is one line. Control: AdamW with a clip: no warning."""
+    from bert_recipes.config import load_config
+    from bert_recipes.config.rules import schedule_warnings
+    assert load_config(None, []).optim.max_grad_norm == 1.0
+    assert load_config(None, ["optim.name=stable_adamw"]).optim.max_grad_norm == 0.0
+    told = load_config(None, ["optim.name=stable_adamw", "optim.max_grad_norm=1.0"])
+    assert told.optim.max_grad_norm == 1.0
+    said = [line for line in schedule_warnings(told, 1000) if "StableAdamW" in line]
+    assert said == ['[warning] optim.max_grad_norm=1.0 with optim.name=stable_adamw: "The StableAdamW optimizer '
+                    'replaces gradient clipping" (ModernBERT\'s main.py, which warns the same): leave it unset (no '
+                    'clipping under StableAdamW) or set 0']
+    assert not [line for line in schedule_warnings(load_config(None, ["optim.max_grad_norm=1.0"]), 1000)
+                if "StableAdamW" in line]

@@ -38,7 +38,7 @@ class Architecture:
 ARCHITECTURES = {
     "bert": Architecture("bert", ("hidden_dropout_prob",), "BertLayer", 0.1, "BERT", True),
     "modernbert": Architecture("modernbert", ("local_attention", "global_attn_every_n_layers", "global_rope_theta",
-                                              "local_rope_theta"), "ModernBertEncoderLayer", 0.0, "ModernBERT", False,
+                                              "local_rope_theta", "attention_output_dropout"), "ModernBertEncoderLayer", 0.0, "ModernBERT", False,
                                special_ids=("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id",
                                             "eos_token_id")),   # its defaults, 50281-50283, lie past a small vocabulary
 }

@@ -30,9 +30,10 @@ def fresh_config(model_cfg, vocab_size: int, special: dict):
                       **special)
 
 
-def dropouts(config) -> tuple[float, float]:
-    """A checkpoint config's (hidden, attention) dropout, as the planner counts their masks."""
-    return config.hidden_dropout_prob, config.attention_probs_dropout_prob
+def dropouts(config) -> tuple[float, float, float | None]:
+    """A checkpoint config's (hidden, attention, attention output) dropout, as the planner counts their masks (BERT's
+    attention output drops at the hidden rate, inside its hidden-dropout terms: None)."""
+    return config.hidden_dropout_prob, config.attention_probs_dropout_prob, None
 
 
 def overrides(model_cfg) -> dict:

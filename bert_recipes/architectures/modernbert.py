@@ -47,17 +47,19 @@ def fresh_config(model_cfg, vocab_size: int, special: dict):
     return config
 
 
-def dropouts(config) -> tuple[float, float]:
-    """A checkpoint config's (hidden, attention) dropout, as the planner counts their masks: its MLP's and its
-    attention's (0 in a fresh one)."""
-    return config.mlp_dropout, config.attention_dropout
+def dropouts(config) -> tuple[float, float, float | None]:
+    """A checkpoint config's (hidden, attention, attention output) dropout, as the planner counts their masks: its
+    MLP's, its attention's (0 in a fresh one) and its attention output's where it has its own (None: the attention's)."""
+    return config.mlp_dropout, config.attention_dropout, getattr(config, "attention_output_dropout", None)
 
 
 def with_recipe_fields(config, model_cfg):
-    """A config, fresh or a checkpoint's, with the recipe's fields that set its values on top: the attention dropout,
+    """A config, fresh or a checkpoint's, with the recipe's fields that set its values on top: the attention dropouts,
     the local window, which layers are global, and each layer type's RoPE base."""
     if model_cfg.attention_probs_dropout_prob is not None:
         config.attention_dropout = model_cfg.attention_probs_dropout_prob
+    if model_cfg.attention_output_dropout is not None:   # ModernBertEncoding.__init__ sets each layer's out_drop
+        config.attention_output_dropout = model_cfg.attention_output_dropout
     if model_cfg.local_attention is not None:
         config.local_attention = model_cfg.local_attention
     if model_cfg.global_attn_every_n_layers is not None:
@@ -75,6 +77,15 @@ class ModernBertEncoding:
     segment embeddings). Documents (ids, cu_seqlens, max_seqlen) become positions within each document (RoPE) and
     the run's attention path's arguments; on the mask path one mask per layer type, the local one also within the
     window (transformers' rule: |i - j| <= local_attention // 2)."""
+
+    def __init__(self, config, *args, **kwargs):
+        """transformers' layers drop the attention's output at config.attention_dropout, the probabilities' rate; a
+        config with attention_output_dropout (model.attention_output_dropout) drops it at that rate instead."""
+        super().__init__(config, *args, **kwargs)
+        rate = getattr(config, "attention_output_dropout", None)
+        if rate is not None:
+            for layer in self.model.layers:
+                layer.attn.out_drop = torch.nn.Dropout(rate) if rate > 0 else torch.nn.Identity()
 
     def encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, documents, **kwargs):
         if documents is not None:
@@ -196,7 +207,7 @@ def activation_bytes(shape, work, precision: str, device: str, checkpointing: bo
                                                 else scores * lin if lin != 4 else 0)
     elif kernel == "fused":                   # the rotated q and k, and the values, a view of Wqkv's whole output
         attention += 2 * B * lin
-    if work.attention_dropout > 0:            # the attention's output dropout (after Wo): its mask
+    if (work.attention_dropout if work.output_dropout is None else work.output_dropout) > 0:   # after Wo: its mask
         attention += mask(B, lin)
 
     def layer(index: int, local: bool) -> int:

@@ -146,6 +146,8 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             raise ConfigError(f"override '{item}' must look like section.key=value")
         key, raw = item.split("=", 1)
         set_key(cfg, key.lstrip("-"), raw)
+    if cfg.optim.max_grad_norm is None:   # unset: the optimizer's own (schema: OptimConfig.max_grad_norm)
+        cfg.optim.max_grad_norm = 0.0 if cfg.optim.name == "stable_adamw" else 1.0
     return cfg
 
 

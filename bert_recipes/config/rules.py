@@ -64,6 +64,10 @@ def schedule_warnings(cfg: Config, total_steps: int, slots: bool = True) -> list
     if t.eval_every is not None and t.eval_every >= total_steps:
         then = "the only evaluation is the final one" if t.eval_final else "the run never evaluates (train.eval_final=false)"
         out.append(f"[warning] train.eval_every={t.eval_every} >= the run's {total_steps} steps: {then}")
+    if o.name == "stable_adamw" and o.max_grad_norm:   # unset, it is 0 under StableAdamW: this one was set
+        out.append(f"[warning] optim.max_grad_norm={o.max_grad_norm} with optim.name=stable_adamw: \"The StableAdamW "
+                   "optimizer replaces gradient clipping\" (ModernBERT's main.py, which warns the same): leave it unset "
+                   "(no clipping under StableAdamW) or set 0")
     chosen = round(cfg.data.mlm_probability * cfg.data.max_seq_length)
     k = cfg.data.max_predictions_per_seq if TASKS[cfg.task.kind].masked_lm else None
     if slots and isinstance(k, int) and k > max(1, chosen):   # slots: the pipeline's head predicts every position

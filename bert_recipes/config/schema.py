@@ -126,6 +126,12 @@ class ModelConfig:
     attention_probs_dropout_prob: Optional[float] = ranged(None, low=0, high=1, open_high=True)
     """None keeps the checkpoint's value (0.1 for a fresh BertConfig, 0 for a fresh ModernBERT, whose
     attention_dropout it sets)."""
+    attention_output_dropout: Optional[float] = ranged(None, low=0, high=1, open_high=True)
+    """ModernBERT's: the dropout of the attention's output (after its projection Wo: ModernBERT's
+    attn_out_dropout_prob, 0.1 in its pretraining), apart from the attention probabilities' (attention_probs_dropout_prob,
+    0 there). It runs on every attention path, varlen and flex included. None: attention_probs_dropout_prob's value, as
+    transformers' one attention_dropout drives both. The export's config.json keeps it as `attention_output_dropout`
+    (transformers' own class ignores the key: inference has no dropout). BERT's hidden_dropout_prob covers it."""
     local_attention: Optional[int] = ranged(None, low=2, hint="tokens a local layer sees, e.g. 128")
     """ModernBERT's: the width of a local (sliding-window) layer's attention, centred on each token; None keeps
     the checkpoint's (128 for a fresh one)."""
@@ -243,7 +249,8 @@ class DataConfig:
     data.mlm_probability_end, the rate the run starts at."""
     mlm_probability_end: Optional[float] = ranged(None, low=0, high=1, open_low=True, open_high=True,
                                                   hint="e.g. 0.05")
-    """mlm: the rate the run ends at (mmBERT: 0.30 -> 0.05). The rate moves linearly from data.mlm_probability, in at
+    """mlm: the rate the run ends at (this repository's own, for ablations: ModernBERT, ettin and mmBERT change the
+    rate only between phases, mmBERT's 0.25, 0.15, 0.05 a phase). The rate moves linearly from data.mlm_probability, in at
     most 8 levels evenly spaced over the run's steps (8 // data.length_bins under train.compile with padded batches:
     each K is one more compiled shape), the first at data.mlm_probability and the last at this; K follows the rate.
     A function of the step and the run's length only: a resume masks as the uninterrupted run
@@ -318,8 +325,10 @@ class OptimConfig:
     betas: list[float] = ranged(factory=lambda: [0.9, 0.999],
                                 low=0, high=1, open_high=True, items=2, hint="e.g. [0.9, 0.999]")
     eps: float = ranged(1e-8, **POSITIVE, hint="e.g. 1e-8")
-    max_grad_norm: float = ranged(1.0, low=0, hint="0 disables clipping")
-    """Clip the global gradient norm to this; 0 disables clipping."""
+    max_grad_norm: Optional[float] = ranged(None, low=0, hint="0 disables clipping")
+    """Clip the global gradient norm to this; 0 disables clipping. None (unset): 1.0, and no clipping under
+    optim.name=stable_adamw, as ModernBERT trains (StableAdamW's update clipping replaces it); a clip set with
+    StableAdamW prints ModernBERT's warning."""
     warmup_steps: Optional[int] = ranged(None, low=0)
     warmup_ratio: float = ranged(0.0, low=0, high=1, open_high=True)
     """Used when warmup_steps is None: warmup = ratio x total optimizer steps."""
