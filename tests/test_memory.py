@@ -417,3 +417,36 @@ def test_planner_refuses_what_a_launch_refuses_in_the_same_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr == f"config error: {launch.value}\n" and not proc.stdout, proc
     assert "optim.name=lamb" in proc.stderr and not out.exists()
     assert planner(*args, "--optim.name=adamw", "--out", str(out)).returncode == 0 and out.exists()
+
+
+def test_the_planner_counts_the_runs_vocabulary_and_marks_what_a_launch_refuses(tmp_path):
+    """recipes/modernbert-base-mlm.yaml (StableAdamW, ModernBERT) on 8 x 80 GiB: its tokenizer unreadable here
+    (offline), the plan says which vocabulary it assumed; given the tokenizer's size, the count is its header's
+    149.7M; a local tokenizer of 1,000 ids is counted as it is. Every ZeRO and FSDP row and the pipeline say
+    `refused`, with the launch's own reason, and the verdict lists none of them. Control: BERT with AdamW, zero2 is
+    planned and listed."""
+    import re
+    params = lambda proc: float(re.search(r": ([\d.]+)M parameters", proc.stdout).group(1))  # noqa: E731
+    common = ("--recipe", "recipes/modernbert-base-mlm.yaml", "--world", "8", "--gpu-memory", "80")
+    assumed = planner(*common, "--out", str(tmp_path / "plan.json"))
+    assert assumed.returncode == 0, assumed.stderr
+    assert ("note: assumed vocabulary: tokenizer.name_or_path=answerdotai/ModernBERT-base cannot be read here" in
+            assumed.stdout and "give --tokenizer.vocab_size=<its size>" in assumed.stdout)
+    given = planner(*common, "--tokenizer.vocab_size=50368")
+    assert params(given) == 149.7 and params(assumed) < 149.7
+    local = planner(*common, f"--tokenizer.name_or_path={REPO / 'tests/data/wordpiece-1000'}")
+    assert "assumed vocabulary" not in local.stdout and params(local) < params(assumed)
+    result = json.loads((tmp_path / "plan.json").read_text())
+    for name, row in result["backends"].items():
+        if name == "ddp":
+            assert row["refused"] is None
+        elif name == "pipeline":
+            assert row["refused"] and "under the pipeline engine" in row["refused"]
+        else:
+            assert "optim.name=stable_adamw needs whole parameter tensors" in row["refused"], (name, row["refused"])
+    assert re.search(r"^fsdp .* refused$", assumed.stdout, re.M) and not any(
+        word in line for line in result["verdict"] for word in ("zero", "fsdp", "pipeline"))
+    bert = planner("--recipe", "recipes/bert-base-mlm-phase1.yaml", "--world", "8", "--gpu-memory", "80",
+                   "--out", str(tmp_path / "bert.json"))
+    plain = json.loads((tmp_path / "bert.json").read_text())
+    assert plain["backends"]["zero2"]["refused"] is None and any("zero2 needs" in line for line in plain["verdict"])

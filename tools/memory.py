@@ -40,20 +40,38 @@ from bert_recipes.memory import (GiB, Launch, States, fmt, launch_of, plan_backe
 CONTEXT_RESERVE = 1 * GiB   # CUDA context, cuBLAS workspace, allocator slack: not usable by tensors
 
 
-def recipe_shape(cfg) -> tuple[Shape, str | None]:
+def run_vocabulary(cfg) -> tuple[int, str | None]:
+    """The vocabulary a fresh model of this recipe gets: its named tokenizer's size (tokenizer.name_or_path: a local
+    directory, the Hub cache, or the Hub), or tokenizer.vocab_size (a tokenizer the run trains); where the named one
+    cannot be read here, tokenizer.vocab_size with a note saying so."""
+    named = cfg.tokenizer.name_or_path
+    if not named or cfg.model.name_or_path:   # a checkpoint's config says its own
+        return cfg.tokenizer.vocab_size, None
+    try:
+        from transformers import AutoTokenizer
+        return len(AutoTokenizer.from_pretrained(named)), None
+    except (OSError, ValueError) as err:
+        return cfg.tokenizer.vocab_size, (
+            f"assumed vocabulary: tokenizer.name_or_path={named} cannot be read here ({type(err).__name__}), so the "
+            f"plan counts tokenizer.vocab_size={cfg.tokenizer.vocab_size} ids; give --tokenizer.vocab_size=<its size>")
+
+
+def recipe_shape(cfg, vocab: int | None = None) -> tuple[Shape, str | None]:
     """The model's shape: the checkpoint's config if it can be read (local directory or the Hub
-    cache), else, for a Hub name, the recipe's model fields (BERT-base unless changed) with a note."""
+    cache), else, for a Hub name, the recipe's model fields (BERT-base unless changed) with a note; a fresh model's
+    vocabulary is `vocab` (run_vocabulary's), else tokenizer.vocab_size."""
     from bert_recipes.models import model_config
     name = cfg.model.name_or_path
+    vocab = vocab or cfg.tokenizer.vocab_size
     try:
-        config = model_config(cfg.model, cfg.task, cfg.tokenizer.vocab_size, 0)
+        config = model_config(cfg.model, cfg.task, vocab, 0)
         return Shape.from_config(config, cfg.task.kind), None
     except (OSError, ValueError) as err:
         if name.startswith(("/", ".", "~")) or name.count("/") >= 2:   # a local path, not a Hub id
             raise ConfigError(f"model.name_or_path={name} does not exist yet: a run writes it when it exports "
                               "its model (runs/<name>/model comes from recipes/<name>.yaml). Run that recipe first, "
                               "or plan the shape with --model.name_or_path=null and the --model.* fields")
-        config = model_config(replace(cfg.model, name_or_path=None), cfg.task, cfg.tokenizer.vocab_size, 0)
+        config = model_config(replace(cfg.model, name_or_path=None), cfg.task, vocab, 0)
         note = (f"assumed shape: could not read {name}'s config offline ({type(err).__name__}), so the recipe's "
                 f"model fields are used: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
                 f"vocab {config.vocab_size}")
@@ -106,7 +124,10 @@ def read_launch_config(path: str | None, world: int | None, device: str | None,
 
 
 def refusal(cfg, label: str, world: int) -> str | None:
-    """Why a launch of this recipe under another row of the table would be refused, or None."""
+    """Why a launch of this recipe under another row of the table would be refused, or None (a --config that is no
+    row: the launch's own checks ran on it)."""
+    if label not in backend_rows():
+        return None
     plan = backend_rows()[label].plan
     plan.on_gpu = True
     try:
@@ -167,7 +188,7 @@ def verdict(chosen: Backend, shape: Shape, cfg, memory: float) -> list[str]:
         lines = [f"fits {where}: needs {fmt(need(mine))}" + (f"; up to micro batch {best} fits" if best and best > micro else "")]
         lines += [f"  {other.label} needs {fmt(need(plan_for(other, shape, cfg, micro, ckpt)))}"
                   for other in (like("ddp"), like("deepspeed", 2), like("deepspeed", 3))
-                  if other and other.label != chosen.label]
+                  if other and other.label != chosen.label and not refusal(cfg, other.label, launch.world)]
         return lines
     lines = [f"does NOT fit {where}: needs {fmt(need(mine))}"]
     # Cheapest first: sharding optimizer states and gradients costs ~nothing in speed, a smaller
@@ -200,7 +221,8 @@ def verdict(chosen: Backend, shape: Shape, cfg, memory: float) -> list[str]:
 
 
 def print_plan(args, cfg) -> dict:
-    shape, note = recipe_shape(cfg)
+    vocab, assumed = run_vocabulary(cfg)
+    shape, note = recipe_shape(cfg, vocab)
     if args.precision:
         cfg.train.mixed_precision = args.precision
     chosen, plan = read_launch_config(args.config, args.world, args.device, cfg.train.mixed_precision)
@@ -216,8 +238,9 @@ def print_plan(args, cfg) -> dict:
           f"{cfg.data.max_seq_length}, {launch.world} x {launch.device} devices, precision {launch.mixed_precision}, "
           f"gradient checkpointing {'on' if ckpt else 'off'}; device memory {args.gpu_memory:g} GiB of which "
           f"{fmt(CONTEXT_RESERVE)} is kept for the CUDA context")
-    if note:
-        print(f"note: {note}")
+    for line in (note, assumed):
+        if line:
+            print(f"note: {line}")
     backends, unmodelled = table_backends(launch.world, launch.mixed_precision, launch.device)
     if chosen.label not in [b.label for b in backends]:   # a --config that is no row of the table: its own line first
         backends.insert(0, chosen)
@@ -230,12 +253,16 @@ def print_plan(args, cfg) -> dict:
         mark = "fits" if need(p) <= memory else ("fits w/ ckpt" if need(c) <= memory else "OOM")
         if backend.states.kind == "pipeline" and launch.world < 2:
             mark = "needs 2+ devices"
+        refused = refusal(cfg, name, launch.world) if name != chosen.label else None
+        if refused:   # a launch under it stops at its one line: the plan is no option (the line below the table)
+            mark = "refused"
         rows.append([name, fmt(p.parameters), fmt(p.gradients), fmt(p.optimizer), fmt(p.activations),
                      fmt(c.activations), fmt(p.temporary), fmt(p.peak), fmt(c.peak), mark])
         out[name] = {"parameters": p.parameters, "gradients": p.gradients, "optimizer": p.optimizer,
                      "activations": p.activations, "activations_checkpointed": c.activations,
-                     "temporary": p.temporary, "peak": p.peak, "peak_checkpointed": c.peak, "notes": p.notes,
-                     "planned_as": backend.states.name}
+                     "temporary": p.temporary, "peak": p.peak, "peak_checkpointed": c.peak,
+                     "notes": p.notes + ([f"refused: {refused}"] if refused else []),
+                     "planned_as": backend.states.name, "refused": refused}
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     for r in [head] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
