@@ -291,3 +291,27 @@ def test_a_book_on_one_line_is_read_and_cut_as_it_comes(tmp_path):
     assert read[0] == "a short line" and read[-1] == "the end" and "".join(read[1:-4]) == words
     assert len(read[1:-4]) > len(words) // 100_000 and all(p.endswith(" ") for p in read[1:-5])   # cut at spaces
     assert read[-4:-1] == ["x" * 100_000, "x" * 100_000, "x" * 50_000]   # no space: cut at the limit
+
+
+def test_two_runs_that_share_a_cache_write_its_store_once(tmp_path, sample_dir, shared_tokenizer):
+    """Two processes that make the same split's store at once (two runs started together on one cache) take turns
+    on its lock: datatrove's task runs once (one line in its log), and both read the same blocks."""
+    script = ("import json, sys\nfrom transformers import AutoTokenizer\nfrom bert_recipes.config import Config\n"
+              "from bert_recipes.data.sources import load_raw\nfrom bert_recipes.tasks import kind_of\n"
+              "cfg = Config()\ncfg.data.sample_dir, cfg.data.cache_dir = sys.argv[1], sys.argv[2]\n"
+              "data = kind_of('mlm').tokenize(load_raw(cfg.data, cfg.task, seed=0), "
+              "AutoTokenizer.from_pretrained(sys.argv[3]), cfg.task, cfg.data)\n"
+              "print(json.dumps([len(data['train']), data['train'][7]['input_ids'].tolist()]))\n")
+    cache = tmp_path / "cache"
+    subprocess.run([sys.executable, "-c", script, str(sample_dir), str(cache), str(shared_tokenizer)], cwd=REPO,
+                   check=True, capture_output=True, timeout=300, env={**os.environ, "HF_DATASETS_OFFLINE": "1",
+                                                                      "PYTHONPATH": str(REPO)})   # the raw rows once
+    import shutil
+    shutil.rmtree(cache / "bert_recipes_stores")   # the stores start over: only datasets' reading of the rows is kept
+    both = [subprocess.Popen([sys.executable, "-c", script, str(sample_dir), str(cache), str(shared_tokenizer)],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}) for _ in range(2)]
+    outs = [json.loads(p.communicate(timeout=300)[0]) for p in both]
+    assert outs[0] == outs[1] and outs[0][0] > 100
+    logs = list(cache.glob("bert_recipes_stores/*/prepare.log"))
+    assert len(logs) == 2 and all(log.read_text().count("Launching pipeline for rank=0") == 1 for log in logs)

@@ -21,7 +21,8 @@ STORES = "bert_recipes_stores"   # under the data cache: a store a split, by key
 
 def stored_splits(raw, tokenizer, data: DataConfig) -> dict:
     """{split: its packed blocks of data.max_seq_length tokens} for datasets' splits `raw`, each read from its store,
-    written first where the cache has none (call it under ranks.main_first: rank 0 writes, the others read)."""
+    written first where the cache has none (call it under ranks.main_first: rank 0 writes, the others read; two runs
+    that share the cache take turns on a file lock beside the store, and the second finds it made)."""
     from .store_writer import LONGEST_DOCUMENT_CHARS, ROWS_A_TASK, running_datatrove, save_tokenizer_file, \
         write_rows_store
     vocabulary = vocabulary_fingerprint(tokenizer)
@@ -31,10 +32,14 @@ def stored_splits(raw, tokenizer, data: DataConfig) -> dict:
                           ROWS_A_TASK, LONGEST_DOCUMENT_CHARS])
         root = store_root(data, hashlib.sha256(key.encode()).hexdigest()[:24])
         if not (root / STORE_META).is_file():
-            save_tokenizer_file(tokenizer, root / "tokenizer")
-            with running_datatrove(root / "prepare.log"):   # its lines (a task's, its stats) stay out of the run's log
-                write_rows_store(rows, root, root / "tokenizer", data.text_column, data.num_proc or 1, vocabulary,
-                                 rows._fingerprint)
+            from filelock import FileLock   # datasets' own lock: two runs that share the cache write a store once
+            root.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(f"{root}.lock"):
+                if not (root / STORE_META).is_file():   # the other run may have finished it meanwhile
+                    save_tokenizer_file(tokenizer, root / "tokenizer")
+                    with running_datatrove(root / "prepare.log"):   # its lines stay out of the run's log
+                        write_rows_store(rows, root, root / "tokenizer", data.text_column, data.num_proc or 1,
+                                         vocabulary, rows._fingerprint)
         out[split] = StoreBlocks(TokenStore(root), data.max_seq_length, tokenizer.all_special_ids, data.document_mask)
     return out
 
