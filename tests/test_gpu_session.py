@@ -19,7 +19,7 @@ def test_the_rehearsal_writes_what_the_gpu_session_returns(tmp_path):
                           text=True, timeout=1800, env={**os.environ, "OUT": str(out), "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     sessions = {}
-    for part in ("must", "rest", "docs"):
+    for part in ("must", "rest", "docs", "modern"):
         files = sorted(p for p in (out / part).rglob("*") if p.is_file())
         assert len(files) <= 8 and all(p.parent == out / part for p in files), files   # $OUT/<file> on the GPU
         session = sessions[part] = json.loads((out / part / "session.json").read_text())
@@ -29,7 +29,7 @@ def test_the_rehearsal_writes_what_the_gpu_session_returns(tmp_path):
         if part == "docs":   # its second bench step runs the same rows at 1,024 tokens: on the GPU only
             assert statuses[:2] == ["ok", "ok"] and statuses[2].startswith("skipped in the rehearsal"), statuses
         else:
-            assert statuses == ["ok"] * (4 if part == "must" else 3), session["steps"]
+            assert statuses == ["ok"] * {"must": 4, "rest": 3, "modern": 2}[part], session["steps"]
         assert session["versions"]["torch"].startswith("2.13") and "deepspeed" in session["versions"]
         text = (out / part / "session.md").read_text()
         assert "| goal (one H200) |" in text and "not measured" in text   # the GPU-only figures say so
@@ -57,6 +57,10 @@ def test_the_rehearsal_writes_what_the_gpu_session_returns(tmp_path):
                                    "mlm: a document a row, unpadded (varlen) / mlm: a document a row, padded"}
     assert docs["bench_rows"]["mlm: a document a row, unpadded (varlen)"]["padding"] == 0
     assert (out / "docs/bench-tiny.md").exists()
+    modern = sessions["modern"]["figures"]["by_size"]["tiny"]   # ModernBERT-base's row beside BERT-base's
+    assert set(modern["ratios"]) == {"mlm: ModernBERT-base, StableAdamW, documents apart / mlm: BERT-base, documents apart"}
+    row_ = modern["bench_rows"]["mlm: ModernBERT-base, StableAdamW, documents apart"]
+    assert row_["sequences_per_s"] > 0 and row_["mfu_ours"] > 0 and row_["predicted_peak_mb"] > 0, row_
     smoke = (out / "rest/smoke.md").read_text()
     row = next(line for line in smoke.splitlines() if line.startswith("| ddp/bf16 |"))
     assert row.endswith("| ok |") and "| 2 |" in row and "n/a (CPU)" in row, row   # halted, resumed, exported

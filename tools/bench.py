@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--only", help="comma-separated words: run only the rows whose name contains one")
     parser.add_argument("--rows", help="|-separated row names: run only these rows")
-    parser.add_argument("--set", choices=["all", "gpu-must", "gpu-rest", "gpu-docs"], default="all",
+    parser.add_argument("--set", choices=["all", "gpu-must", "gpu-rest", "gpu-docs", "gpu-modern"], default="all",
                         help="gpu-must / gpu-rest: the GPU session's two parts (bf16; tools/gpu_session.py)")
     parser.add_argument("--classify-steps", type=int, help="fine-tuning steps per run (default: one epoch)")
     parser.add_argument("--warmup", type=int, default=WINDOW, help=f"untimed steps, a multiple of {WINDOW}")

@@ -84,6 +84,22 @@ def docs_rows(cuda: bool) -> list[dict]:
             row("mlm: a document a row, padded", "mlm-unpacked", "ours", "bf16", extra=no_dropout, limit_s=28)]
 
 
+def modern_rows(cuda: bool) -> list[dict]:
+    """The GPU session's ModernBERT part (gpu-modern): ModernBERT-base as recipes/modernbert-base-mlm.yaml trains it,
+    StableAdamW, packed rows whose documents attend apart, attention output dropout 0.1, at the automatic micro batch,
+    beside BERT-base on the same rows: sequences/s, MFU and the planner's peak against the measured one. Its
+    22 layers and GeGLU width on the GPU; the rehearsal keeps the tiny size's shape (the flow, not a figure)."""
+    shape = ["model.num_hidden_layers=22", "model.intermediate_size=1152"] if cuda else []
+    modern = ["model.architecture=modernbert", "model.local_attention=128", "model.global_attn_every_n_layers=3",
+              "model.global_rope_theta=10000", "model.local_rope_theta=10000", "model.attention_probs_dropout_prob=0",
+              "model.attention_output_dropout=0.1", "optim.name=stable_adamw"]
+    auto = auto_micro(cuda, {"batch": 4})
+    return [row("mlm: ModernBERT-base, StableAdamW, documents apart", "mlm-docs", "ours", "bf16",
+                extra=modern + shape + auto, pair="mlm: BERT-base, documents apart", limit_s=60),
+            row("mlm: BERT-base, documents apart", "mlm-docs", "ours", "bf16",
+                extra=["model.attention_probs_dropout_prob=0"] + auto, limit_s=40)]
+
+
 def variants(precisions: list[str], offload: str | None, which: str = "all", size: dict | None = None) -> list[dict]:
     """What is run, in order. all: train.py and the Trainer at each precision, and each speed feature on
     and off; gpu-must / gpu-rest: the GPU session's two parts (gpu_rows; bf16)."""
@@ -91,6 +107,8 @@ def variants(precisions: list[str], offload: str | None, which: str = "all", siz
     cuda = torch.cuda.is_available()
     if which == "gpu-docs":
         return docs_rows(cuda)
+    if which == "gpu-modern":
+        return modern_rows(cuda)
     if which.startswith("gpu-"):
         return gpu_rows(which, cuda, size or SIZES["base"])
     rows = []

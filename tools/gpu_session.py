@@ -277,8 +277,9 @@ SMOKE_WORK_S = 6   # a smoke launch's own work: 2-4 steps, an eval, a 1.3 GB che
 def parts() -> dict[str, list[Step]]:
     """The two parts, in order. The bench steps' limits are their rows' (tools/bench.py gpu_rows) plus the
     matmul probe's launch and the check of the carried data."""
-    from bench_rows import docs_rows, gpu_rows
+    from bench_rows import docs_rows, gpu_rows, modern_rows
     must, rest, docs = gpu_rows("gpu-must", True, {}), gpu_rows("gpu-rest", True, {}), docs_rows(True)
+    modern = modern_rows(True)
     # +5: reading the carried data; without it (no .gpu_data) preparing it here takes PREP_S more
     bench_work = lambda rows: sum(r["limit_s"] for r in rows) + 5   # noqa: E731
     return {"must": [Step("versions, imports, GPU", 0, 15, versions),
@@ -296,7 +297,11 @@ def parts() -> dict[str, list[Step]]:
                      Step("bench at 128 tokens: varlen, the block mask, padded, unpadded", 1, bench_work(docs), bench,
                           docs, size="base"),
                      Step("bench at 1,024 tokens: the same rows", 1, bench_work(docs), bench, docs, size="base-1k",
-                          rehearsed=False)]}
+                          rehearsed=False)],
+            # ModernBERT-base as recipes/modernbert-base-mlm.yaml trains it, at 1,024 tokens, beside BERT-base
+            "modern": [Step("versions, imports, GPU", 0, 15, versions),
+                       Step("bench at 1,024 tokens: ModernBERT-base (StableAdamW, documents apart) and BERT-base", 1,
+                            bench_work(modern), bench, modern, size="base-1k")]}
 
 
 def plan_rows(part: str, size: str) -> list[dict]:
@@ -396,7 +401,7 @@ def prepare_carried(sizes=("base", "base-1k")) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["must", "rest", "docs", "all", "prepare", "plan"])
+    parser.add_argument("part", choices=["must", "rest", "docs", "modern", "all", "prepare", "plan"])
     parser.add_argument("--rehearse", action="store_true", help="tiny size on CPU processes: the suite's rehearsal")
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-session",
                         help="where the files that come back go (default $OUT)")
@@ -404,7 +409,7 @@ def main(argv=None) -> int:
     if args.part == "prepare":
         print(f"[gpu-session] prepared: {prepare_carried()}")
         return 0
-    names = ["must", "rest", "docs"] if args.part in ("all", "plan") else [args.part]
+    names = ["must", "rest", "docs", "modern"] if args.part in ("all", "plan") else [args.part]
     for name in names:
         print(f"[gpu-session] {name}: {len(parts()[name])} steps, limits sum {limit_sum(name)} s (of {PART_S})")
         for row_ in plan_rows(name, "base"):

@@ -5,6 +5,7 @@
 #   bash tools/gpu_session.sh must              # part 1: bench at the automatic micro batch, host waits
 #   bash tools/gpu_session.sh rest              # part 2: fine-tuning step times, gpu-smoke, the fixed-micro trio
 #   bash tools/gpu_session.sh docs              # part 3, when time remains: documents apart (varlen, mask, padding)
+#   bash tools/gpu_session.sh modern            # part 4: ModernBERT-base at 1,024 tokens beside BERT-base
 #   bash tools/gpu_session.sh --rehearse all    # the same steps at tiny size on CPU processes (tests/test_gpu_session.py)
 #
 # The GPU image lacks some of the project's packages (and has transformers 5.17 where the project pins
