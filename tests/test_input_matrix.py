@@ -131,7 +131,8 @@ def _path_cases() -> list[tuple[str, str, dict]]:
 
 
 # the other keys under which the run reads a path
-PATH_CONTEXT = {"data.prepared_dir": {"data.source": "prepared", "data.packing": False},   # packed MLM: stores "data.store_dir": {"data.source": "store"},
+PATH_CONTEXT = {"data.prepared_dir": {"data.source": "prepared", "data.packing": False},   # packed MLM: stores
+                "data.store_dir": {"data.source": "store"},
                 "data.train_files": {"data.source": "files"},
                 "data.validation_files": {"data.source": "files", "data.train_files": "[{train_file}]"}}
 PATH_CASES = _path_cases()
