@@ -35,17 +35,17 @@ def losses(out: Path) -> list[float]:
 
 def test_a_halted_modernbert_resumes_bit_exact_and_exports_as_itself(tmp_path, sample_dir, datasets_cache,
                                                                       shared_tokenizer):
-    """One process, StableAdamW (ModernBERT's), packed rows whose documents attend apart: halted at step 6 and
-    resumed, the uninterrupted run's losses and weights bit for bit; the step reads nothing on the host between log
+    """One process, StableAdamW and attention output dropout 0.1 (ModernBERT's), packed rows whose documents attend
+    apart: halted at step 6 and resumed, the uninterrupted run's losses and weights bit for bit; the step reads nothing on the host between log
     steps (logging.sync_audit). The export is transformers' ModernBERT with both
     layer types; AutoModelForMaskedLM gives the training class's logits (1e-5) on a padded batch longer than the
     window. The loss goes down."""
     full, split = tmp_path / "full", tmp_path / "split"
-    run_in_process(args(full, sample_dir, datasets_cache, shared_tokenizer, **{"optim.name": "stable_adamw"}))
-    run_in_process(args(split, sample_dir, datasets_cache, shared_tokenizer, **{"optim.name": "stable_adamw",
-                                                                                 "train.halt_at_step": 6}))
+    modern = {"optim.name": "stable_adamw", "model.attention_output_dropout": 0.1}   # ModernBERT's, drawn anew on resume
+    run_in_process(args(full, sample_dir, datasets_cache, shared_tokenizer, **modern))
+    run_in_process(args(split, sample_dir, datasets_cache, shared_tokenizer, **modern, **{"train.halt_at_step": 6}))
     resumed = run_in_process(args(split, sample_dir, datasets_cache, shared_tokenizer,
-                                  **{"optim.name": "stable_adamw", "checkpoint.resume": "auto"}))
+                                  **modern, **{"checkpoint.resume": "auto"}))
     assert resumed["steps"] == 12 and losses(split) == losses(full) and losses(full)[-1] < losses(full)[0]
     audited = run_in_process(args(tmp_path / "audit", sample_dir, datasets_cache, shared_tokenizer, **{
         "optim.name": "stable_adamw", "train.max_steps": 4, "logging.sync_audit": True}))

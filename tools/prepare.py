@@ -8,6 +8,7 @@ training in seconds instead of tokenizing.
     # classification (or MLM a line a row): datasets' tokenized splits; then: --data.source=prepared
     # --data.prepared_dir=data/prepared/classify
     python tools/prepare.py --make-corpus data/corpus-1g.txt --size 1G   # a generated corpus to measure on
+    python tools/prepare.py --make-corpus data/book.txt --size 10M --one-line   # a book on one line
     python tools/prepare.py --recipe R --out data/store/x --store --workers 16   # a token store (datatrove), for MLM
     make prepare RECIPE=R OUT=data/store/x STORE=1 WORKERS=16
     # then: --data.source=store --data.store_dir=data/store/x
@@ -109,9 +110,10 @@ class AnonymousMemory:
         self.file.unlink()
 
 
-def make_corpus(path: Path, size: str, sample_dir: Path) -> int:
+def make_corpus(path: Path, size: str, sample_dir: Path, one_line: bool = False) -> int:
     """A generated corpus of `size` bytes: the embedded sample's pretraining text, its lines shuffled
-    anew on every pass, one paragraph per line. -> bytes written."""
+    anew on every pass, one paragraph per line; one_line: all of it one document on one line (a book on one line,
+    the long document a token store cuts). -> bytes written."""
     from bert_recipes.data.sample import build_sample
     build_sample(sample_dir)
     lines = (sample_dir / "pretrain/train.txt").read_text().splitlines()
@@ -121,10 +123,12 @@ def make_corpus(path: Path, size: str, sample_dir: Path) -> int:
     with open(path, "w") as f:
         while written < target:
             rng.shuffle(lines)
-            chunk = "\n".join(lines) + "\n"
+            chunk = ("\n" if not one_line else " ").join(lines) + ("\n" if not one_line else " ")
             f.write(chunk)
             written += len(chunk.encode())
-    return written
+        if one_line:
+            f.write("\n")
+    return written + one_line
 
 
 def prepare(cfg, out: Path) -> dict:
@@ -235,6 +239,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="the directory to write (data.prepared_dir of later runs)")
     parser.add_argument("--make-corpus", help="instead: write a generated corpus to this file")
     parser.add_argument("--size", default="1G", help="of the generated corpus: 256M, 1G, ...")
+    parser.add_argument("--one-line", action="store_true", help="--make-corpus: the whole corpus one line (a book)")
     parser.add_argument("--sample-dir", default="data/sample")
     parser.add_argument("--store", action="store_true", help="write a token store (datatrove) instead")
     parser.add_argument("--workers", type=int, default=1, help="--store: processes (a task a file)")
@@ -243,7 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", type=int, default=1)
     args, overrides = parser.parse_known_args(argv)
     if args.make_corpus:
-        n = make_corpus(Path(args.make_corpus), args.size, Path(args.sample_dir))
+        n = make_corpus(Path(args.make_corpus), args.size, Path(args.sample_dir), args.one_line)
         print(f"[prepare] wrote {n / 1e9:.2f} GB of text to {args.make_corpus}")
         return 0
     try:
