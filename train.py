@@ -34,6 +34,7 @@ from bert_recipes.backends.deepspeed import deepspeed_norm_and_skip, host_adam
 from bert_recipes.backends.deepspeed_ops import settle_before_ranks_load
 from bert_recipes.backends.pipeline import train_batch
 from bert_recipes.backends.plan import launch_plan_here
+from bert_recipes.backends.saved_weights import convert_once, load_saved_weights
 from bert_recipes.batch_ramp import BatchPlan, batch_plan
 from bert_recipes.checkpoint import (check_data_fits, check_tokenizer_fits, data_record, pick_checkpoint,
                                      read_train_state, save_checkpoint, tokenizer_record)
@@ -161,7 +162,7 @@ def main(cfg: Config) -> dict:
         mixture = source_mixture(cfg.data, data, cfg.run.seed, stream.epoch_batches * cfg.train.micro_batch_size)
         if mixture is not None:
             print0(mixture.line())
-        module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps)
+        module, optimizer, scheduler, model_config = build_training(cfg, plan, engine, tokenizer, total_steps, source)
 
         # -------------------------------------------------------------------- prepare
         engine.prepare(module, optimizer, scheduler, data, collate, mixture)
@@ -181,8 +182,9 @@ def main(cfg: Config) -> dict:
         INTERRUPTION.at("loading the checkpoint" if checkpoint is not None else "starting the output directory")
         if checkpoint is not None:
             resume(run, checkpoint)
-        elif source is not None:   # checkpoint.init_from: a phase's first start
-            run.engine.start_from(source, cfg.checkpoint.init_optimizer)
+        elif source is not None:   # checkpoint.init_from: a phase's first start (the weights alone: build_training)
+            if cfg.checkpoint.init_optimizer:
+                run.engine.start_from(source)
             print0(init_line(source, cfg.checkpoint.init_optimizer))
         run.state.update(layout=layout, total_steps=total_steps, tokenizer=tokenizer_used, data_files=data_used)
         start_writing(output_dir, config_yaml, tokenizer, cfg.run.overwrite, cfg.checkpoint.resume, engine, run.state,
@@ -215,7 +217,8 @@ def starting_point(cfg: Config, plan, engine: Engine, output_dir: Path, notes: l
     source = Path(cfg.checkpoint.init_from) if checkpoint is None and cfg.checkpoint.init_from else None
     layout = run_layout(plan, cfg.train.micro_batch_size)
     loaded, key = (checkpoint, "checkpoint.resume") if checkpoint is not None else (source, "checkpoint.init_from")
-    changed = resume_layout(saved_layout(loaded), layout, loaded, key) if loaded is not None else None
+    changed = (resume_layout(saved_layout(loaded), layout, loaded, key, cfg.checkpoint.init_optimizer)
+               if loaded is not None else None)
     if changed:
         print0(changed)
     data_used = on_rank0(engine.is_main, broadcast, lambda: data_record(cfg.data))   # sampled blocks, read by rank 0
@@ -237,11 +240,16 @@ def resume(run: Run, checkpoint) -> None:
         print0(lengthened)
 
 
-def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: int):
+def build_training(cfg: Config, plan, engine: Engine, tokenizer, total_steps: int, source: Path | None):
     """The model (this rank's stage under the pipeline), its optimizer and the schedule over
-    `total_steps`. -> (module, optimizer, scheduler, the model's config)."""
+    `total_steps`; a phase that takes the weights alone (checkpoint.init_from without init_optimizer) reads them
+    whole from its `source` checkpoint, whichever backend saved it, before this run's backend lays them out.
+    -> (module, optimizer, scheduler, the model's config)."""
     model = build_model(cfg.model, cfg.task, tokenizer, packed_dropout=plan.packed_dropout,
                         attention_path=plan.attention_path)
+    if source is not None and not cfg.checkpoint.init_optimizer:
+        on_rank0(engine.is_main, broadcast, lambda: convert_once(source))
+        load_saved_weights(model, source, cfg.task.kind)
     model_config = model.config
     print0(f"[model] {type(model).__name__}: {count_parameters(model) / 1e6:.2f}M parameters")
     if getattr(model, "loading_report", None):

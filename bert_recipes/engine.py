@@ -249,8 +249,8 @@ class AccelerateEngine:
             self.scheduler.load_state_dict(torch.load(Path(path) / "custom_checkpoint_0.pkl", weights_only=True))
         resume_schedule(self.scheduler)   # this run's schedule from the checkpoint's step (another length: optim.py)
 
-    def start_from(self, path: str, optimizer_state: bool):
-        carry_over(lambda: self.load(path), self.optimizer, self.scheduler, optimizer_state, self.on_gpu)
+    def start_from(self, path: str):
+        carry_over(lambda: self.load(path), self.optimizer, self.scheduler, self.on_gpu)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         """The Hugging Face export (export.write_export) of the full fp32 weights, gathered on the main process

@@ -84,9 +84,10 @@ class Engine(Protocol):
         """The inverse of save: the run continues with the same data and RNG streams (bit-equal to the
         uninterrupted run on CPU, where the tests show it; on GPUs not bitwise: kernels sum in varying order)."""
 
-    def start_from(self, path: str, optimizer_state: bool) -> None:
-        """A phase's start from another run's checkpoint (checkpoint.init_from): load's weights (and the optimizer's
-        state with optimizer_state), this run's optimizer settings, schedule and RNG kept (phases.carry_over)."""
+    def start_from(self, path: str) -> None:
+        """A phase's start from another run's checkpoint with its optimizer state (checkpoint.init_from and
+        init_optimizer): load's weights and optimizer state, this run's optimizer settings, schedule and RNG kept
+        (phases.carry_over). The weights alone are read before the engine is built (backends/saved_weights.py)."""
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         """A Hugging Face model with full fp32 weights, tokenizer, recipe and card, written by rank 0 through

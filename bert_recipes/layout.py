@@ -1,6 +1,6 @@
 """A run's layout over processes (backend, world, replicas, accumulation, micro batch), saved with each checkpoint,
 and what a resume in another layout means: the state re-cut (one [resume] line), or refused in one line where it
-cannot be re-cut (the pipeline's stages, the backend and the process count at once, NVMe-offloaded states)."""
+cannot be re-cut (the pipeline's stages, another backend, NVMe-offloaded states)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,17 +26,25 @@ def saved_layout(checkpoint: Path) -> dict | None:
     return {"world": worlds} if worlds else None
 
 
-def resume_layout(saved: dict | None, now: dict, checkpoint: Path, key: str = "checkpoint.resume") -> str | None:
+def resume_layout(saved: dict | None, now: dict, checkpoint: Path, key: str = "checkpoint.resume",
+                  optimizer_state: bool = True) -> str | None:
     """A resume on another number of processes -> the [resume] line saying what follows from it (None: the
     same number). The global batch is the recipe's and the accumulation follows the world size; the micro
     batches' global order is a function of (run.seed, epoch), so step k trains on the same sequences. DDP's
     state is whole on every rank; ZeRO's partitions are re-cut through DeepSpeed's universal checkpoint
     (backends/deepspeed_universal.py); FSDP's shards through torch's distributed checkpoint, which Accelerate
-    saves them with. What cannot be re-cut (reshard_refusal) is one line before any rank trains."""
+    saves them with. What cannot be re-cut (reshard_refusal) is one line before any rank trains.
+    A phase's start (key checkpoint.init_from) that takes the weights alone (not `optimizer_state`) reads them whole
+    from any backend's checkpoint (backends/saved_weights.py): a line where the layout differs, never a refusal."""
     if not saved or saved.get("world") is None:
         return None
     was = saved["world"]
-    refusal = reshard_refusal(saved, now, checkpoint)
+    if key != "checkpoint.resume" and not optimizer_state:
+        if (was, saved.get("backend", now["backend"])) == (now["world"], now["backend"]):
+            return None
+        return (f"[init] {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])}: its "
+                f"full weights are read and this run's {now['backend']} lays them out on its {now['world']}")
+    refusal = reshard_refusal(saved, now, checkpoint, key)
     if refusal:
         why, fix = refusal
         raise ConfigError(
@@ -71,19 +79,24 @@ def stages(layout: dict) -> str:
     return f"{replicas} data-parallel replicas{staged}"
 
 
-def reshard_refusal(saved: dict, now: dict, checkpoint: Path) -> tuple[str, str] | None:
+def reshard_refusal(saved: dict, now: dict, checkpoint: Path, key: str = "checkpoint.resume") -> tuple[str, str] | None:
     """Why a checkpoint cannot continue in this layout, and the fix (None: it can, re-cut where the process
-    count changed). The pipeline's stage count is checked at any process count; the rest only when it changed."""
+    count changed). The pipeline's stage count and a phase's optimizer state under another backend are checked at
+    any process count; the rest only when it changed."""
     same_world = f"resume on {saved['world']} processes (NPROC={saved['world']})"
+    if saved.get("backend", now["backend"]) != now["backend"]:   # measured 2026-12-07: ZeRO-2 -> 2-offload or -> 3
+        # fails inside DeepSpeed's load (KeyError, AssertionError), DDP -> ZeRO-2 too
+        return ("an optimizer's state is carried over only under the backend that saved it",
+                f"resume under {saved['backend']} (on any process count), or start a phase from its weights alone "
+                f"under {now['backend']} (checkpoint.init_from={checkpoint})" if key == "checkpoint.resume" else
+                "drop checkpoint.init_optimizer (the weights alone start under any backend and process count) or "
+                f"start under {saved['backend']}")
     if now["kind"] == "pipeline" and saved.get("replicas") and saved["world"] // saved["replicas"] != now["world"] // now["replicas"]:
         return ("a stage's layers and their optimizer partitions are saved per stage, and only another number of "
                 "replicas is re-cut", "set the DeepSpeed JSON's pipeline.stages back to "
                 f"{saved['world'] // saved['replicas']}")
     if saved["world"] == now["world"]:
         return None
-    if saved.get("backend", now["backend"]) != now["backend"]:
-        return ("the backend and the process count cannot both change in one resume",
-                f"{same_world} under {saved['backend']}")
     if now["backend"].endswith("-nvme") or (Path(checkpoint) / "pytorch_model/offloaded_tensors").is_dir():
         return ("ZeRO's states offloaded to NVMe are not re-cut: DeepSpeed 0.19.8's universal checkpoint neither "
                 "reads the optimizer's swap files (pytorch_model/offloaded_tensors) nor loads into parameters kept on "

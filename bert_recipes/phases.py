@@ -46,12 +46,12 @@ def its_tokenizer(checkpoint: Path) -> Path | None:
     return saved if (saved / "tokenizer.json").is_file() or (saved / "vocab.txt").is_file() else None
 
 
-def carry_over(load, optimizer, scheduler, optimizer_state: bool, on_gpu: bool) -> None:
-    """Load a checkpoint through the engine (`load`: its resume path, which re-cuts a checkpoint of another process
-    count) and keep what this run starts anew: every optimizer group's settings (lr, betas, weight decay: this
-    recipe's), the schedule at this run's step 0, the random generators as this run has them (on_gpu: the plan's,
-    the CUDA ones too); and without
-    `optimizer_state`, no optimizer state at all (the moments and step counts start at zero, as in a new run)."""
+def carry_over(load, optimizer, scheduler, on_gpu: bool) -> None:
+    """checkpoint.init_optimizer: load a checkpoint through the engine (`load`: its resume path, which re-cuts a
+    checkpoint of another process count) and keep what this run starts anew: every optimizer group's settings (lr,
+    betas, weight decay: this recipe's), the schedule at this run's step 0, the random generators as this run has
+    them (on_gpu: the plan's, the CUDA ones too). (The weights alone are read before the engine is built:
+    backends/saved_weights.py.)"""
     import random
 
     import numpy as np
@@ -69,15 +69,6 @@ def carry_over(load, optimizer, scheduler, optimizer_state: bool, on_gpu: bool) 
     torch.set_rng_state(generators[2])
     if generators[3] is not None:
         torch.cuda.set_rng_state_all(generators[3])
-    if not optimizer_state:
-        innermost(optimizer).state.clear()
-
-
-def innermost(optimizer):
-    """The torch optimizer that holds the state under its wrappers (Accelerate's, DeepSpeed's ZeRO optimizer)."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def init_line(checkpoint: Path, optimizer_state: bool) -> str:

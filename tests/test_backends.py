@@ -211,6 +211,12 @@ def test_zero3_nvme_row(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
     per_rank = metrics["final"]["backend"]["full_param_numel"] // 2
     assert sum(seen.values()) >= 2 * 3 * 4 * per_rank * 0.95, seen
     assert metrics["final"]["backend"]["param_dtypes"] == ["torch.float32"]
+    # a phase from its weights alone under another backend: DeepSpeed's zero_to_fp32 cannot read fp32 partitions
+    # swapped to the disk: one line, before any rank trains, naming the ways that work
+    error = refused_launched(tiny_args(tmp_path / "phase", sample_dir, datasets_cache, **common(
+        shared_tokenizer, **SWAPS_OPTIMIZER_ONLY, **{"checkpoint.init_from": str(tmp_path / "zero3-nvme")})),
+        tmp_path, "zero2")
+    assert "keeps its fp32 weights in DeepSpeed's NVMe swap files" in error and "model.name_or_path=" in error, error
     # its step-4 checkpoint on one process: the optimizer states swapped to the "NVMe" are files DeepSpeed's
     # universal converter does not read, so this resume is refused in one line and nothing is written
     full = tmp_path / "zero3-nvme"
@@ -336,6 +342,29 @@ def test_sharded_resume_equals_uninterrupted(name, row_run, tmp_path, sample_dir
     assert resumed["final"]["backend"]["distributed_type"] == engaged(name)
     assert resumed["final"]["backend"]["params_sharded"] is True
     assert_same_weights(full / "model/model.safetensors", tmp_path / "split/model/model.safetensors", tol=1e-6)
+
+
+@pytest.mark.parametrize("name", AUDITED_ROWS)
+def test_a_checkpoints_full_weights_are_its_export(name, row_run):
+    """backends/saved_weights.py: the fp32 weights of the row's last checkpoint (step 16), read whole with its
+    format's own tool (safetensors, torch's DCP, DeepSpeed's zero_to_fp32, its universal checkpoint for the
+    pipeline), are the run's export, bit for bit: what a phase under any backend and process count starts from."""
+    assert_last_checkpoint_reads_as_export(row_run(name)[0], STEPS)
+
+
+def assert_last_checkpoint_reads_as_export(out: Path, steps: int):
+    from transformers import AutoModelForMaskedLM
+
+    from bert_recipes.backends.saved_weights import convert_once, saved_weights
+    from bert_recipes.checkpoint import complete_checkpoints
+    last = complete_checkpoints(out)[-1]
+    assert last.name == f"step_{steps:08d}"
+    export = load_file(out / "model/model.safetensors")
+    convert_once(last)
+    read = saved_weights(last, AutoModelForMaskedLM.from_pretrained(out / "model"), "mlm")
+    assert set(export) <= set(read), set(export) - set(read)
+    for key, value in export.items():
+        assert torch.equal(read[key], value), key
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
@@ -547,8 +576,9 @@ def test_a_backend_and_process_count_change_is_one_line(row_run, tmp_path, sampl
     error = refused_launched(tiny_args(tmp_path / "zero3", sample_dir, datasets_cache, **common(
         shared_tokenizer, **{"checkpoint.resume": str(full / "checkpoints/step_00000008")})), tmp_path, "zero3")
     assert ("was saved by 2 processes under zero2 (2 data-parallel replicas) and this run has 1 under zero3 (1 "
-            "data-parallel replicas): the backend and the process count cannot both change in one resume; resume on 2 "
-            "processes (NPROC=2) under zero2" in error), error
+            "data-parallel replicas): an optimizer's state is carried over only under the backend that saved it; "
+            "resume under zero2 (on any process count), or start a phase from its weights alone under zero3 "
+            "(checkpoint.init_from=" in error), error
     assert snapshot(full / "checkpoints") == checkpoints   # no universal conversion either
 
 

@@ -137,6 +137,34 @@ def test_phases_chain_on_2_processes_and_under_the_pipeline(tmp_path, sample_dir
     assert trained < new - 0.5 and losses(tmp_path / "pipe2")[0] < (new + trained) / 2   # nearer phase 1's end
 
 
+def test_a_phase_takes_the_weights_of_any_backend_and_process_count(tmp_path, sample_dir, datasets_cache,
+                                                                    shared_tokenizer, capsys):
+    """Phase 1 under DDP on 1 process -> phase 2 under ZeRO-2 on 2 (real processes): the weights alone, read whole
+    from the DDP checkpoint, give phase 2 the losses of the same phase started from phase 1's export, bit for bit.
+    The same start with checkpoint.init_optimizer is one line (the optimizer's state stays under the backend that
+    saved it), nothing written."""
+    from conftest import launch, refused_launched
+    one = tmp_path / "ddp1"
+    run_in_process(args(one, sample_dir, datasets_cache, **{"tokenizer.name_or_path": shared_tokenizer,
+                                                             "train.max_steps": 8}))
+    phase2 = {"train.max_steps": 6, "optim.warmup_steps": 0}
+    two = launch(2, args(tmp_path / "zero2", sample_dir, datasets_cache, **phase2, **{"checkpoint.init_from": one}),
+                 backend="zero2")
+    assert two["final"]["num_processes"] == 2 and two["final"]["backend"]["name"] == "zero2"
+    log = (tmp_path / "zero2.log").read_text()
+    assert (f"[init] {one / 'checkpoints/step_00000008'} was saved by 1 processes under ddp: its full weights are read "
+            "and this run's zero2 lays them out on its 2") in log and "[init] from" in log
+    launch(2, args(tmp_path / "export", sample_dir, datasets_cache, **phase2, **{
+        "model.name_or_path": one / "model", "tokenizer.name_or_path": one / "tokenizer"}), backend="zero2")
+    assert losses(tmp_path / "zero2") == losses(tmp_path / "export")
+    error = refused_launched(args(tmp_path / "carried", sample_dir, datasets_cache, **phase2, **{
+        "checkpoint.init_from": one, "checkpoint.init_optimizer": True}), tmp_path, "zero2")
+    assert ("was saved by 1 processes under ddp (1 data-parallel replicas) and this run has 1 under zero2 (1 "
+            "data-parallel replicas): an optimizer's state is carried over only under the backend that saved it; drop "
+            "checkpoint.init_optimizer (the weights alone start under any backend and process count) or start under "
+            "ddp") in error, error
+
+
 def test_the_tiny_modernbert_phase_recipes_chain(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
     """recipes/tiny-modernbert-{mlm,context,decay}.yaml as shipped, cut to a few steps and pointed at each other's
     directories here: each phase starts from the one before and says what it carried over; the context phase runs

@@ -374,8 +374,8 @@ class PipelineEngine:
         resume_schedule(self.scheduler)   # this run's schedule from the checkpoint's step (another length: optim.py)
         load_rng_state(path, self.rank, self.on_gpu)
 
-    def start_from(self, path: str, optimizer_state: bool):
-        carry_over(lambda: self.load(path), self.engine.optimizer, self.scheduler, optimizer_state, self.on_gpu)
+    def start_from(self, path: str):
+        carry_over(lambda: self.load(path), self.engine.optimizer, self.scheduler, self.on_gpu)
 
     def export(self, out_dir: Path, tokenizer, config_yaml: str, card: str) -> Path:
         """Gather every stage's weights onto rank 0 and write an ordinary Hugging Face model, in fp32:
