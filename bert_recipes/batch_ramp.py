@@ -4,10 +4,14 @@
 A run reads one stream of micro batches: epoch after epoch, each epoch the sampler's order of (seed, epoch),
 cut to a whole number of full-size steps. A step takes the next global_batch / micro of them (each rank every
 world-th). Without a ramp a step always takes the same number, and step k starts at k x that. With one, the
-batch takes the stages between the start and the full batch that divide the full batch and are multiples of
-the start (768 -> 4608: 768, 1536, 2304, 4608), each stage but the last for an equal share of the ramp's tokens
-(sequences x data.max_seq_length), rounded up to a whole number of full-size steps so that no step ever crosses
-an epoch's end. Which micro batches a step takes is a function of the step and the recipe only, never of the
+batch takes stages that are multiples of the start (train.batch_rampup_stages):
+- divisors: those that divide the full batch (768 -> 4608: 768, 1536, 2304, 4608), each stage but the last for an
+  equal share of the ramp's tokens (sequences x data.max_seq_length), rounded up to whole full-size steps;
+- multiples (ModernBERT's): all of them (768, 1536, 2304, 3072, 3840, 4608), each but the last the same number
+  of steps, rounded up to an even number, with an epoch cut to a multiple of lcm(1..K) x the start (K = full /
+  start). Stage k starts after n x (1 + ... + (k-1)) x start sequences, a multiple of its own batch k x start
+  when n is even, and every epoch's end is a multiple of every stage's batch.
+Either way no step ever crosses an epoch's end. Which micro batches a step takes is a function of the step and the recipe only, never of the
 world size: a resume seeks to it (train.py skips to it in the epoch's sampler, never replaying the loader), on
 any process count. The lr schedule counts optimizer steps, ramp or not."""
 from __future__ import annotations
@@ -74,8 +78,11 @@ class BatchPlan:
                  f"{s.first_step + s.steps - 1}" if s.steps is not None else
                  f"{s.batch} (accum {s.batch // self.micro // replicas}) from step {s.first_step}" for s in self.stages]
         ramp = sum(s.steps * s.batch * seq_len for s in self.stages if s.steps is not None)
+        full = self.stages[-1].batch
+        cut = (f"; an epoch is {self.epoch_batches * self.micro:,} sequences, whole steps of every stage"
+               if any(full % s.batch for s in self.stages) else "")
         return (f"[schedule] the global batch (sequences) ramps over {ramp:,} tokens (train.global_batch_size_start, "
-                f"train.batch_rampup_tokens): " + ", ".join(parts) + "; the lr schedule counts steps")
+                f"train.batch_rampup_tokens): " + ", ".join(parts) + cut + "; the lr schedule counts steps")
 
 
 def batch_plan(train: TrainConfig, seq: int, train_sequences: int, steps: int) -> BatchPlan:
@@ -88,14 +95,28 @@ def batch_plan(train: TrainConfig, seq: int, train_sequences: int, steps: int) -
     start = t.global_batch_size_start
     if not start or start == full:
         return BatchPlan((Stage(0, full, None),), micro, epoch_batches, steps)
-    sizes = [m * start for m in range(1, full // start + 1) if full % (m * start) == 0]
-    share = t.batch_rampup_tokens / (len(sizes) - 1)
     stages, first = [], 0
-    for size in sizes[:-1]:
-        count = math.ceil(share / (size * seq))
-        count = -(-count // (full // size)) * (full // size)   # whole full-size steps: no step crosses an epoch
-        stages.append(Stage(first, size, count))
-        first += count
+    if t.batch_rampup_stages == "multiples":
+        k_max = full // start
+        each = math.ceil(t.batch_rampup_tokens / (seq * start * k_max * (k_max - 1) // 2))
+        each += each % 2   # even: stage k starts at a multiple of its batch (each x k(k-1)/2 starts)
+        for k in range(1, k_max):
+            stages.append(Stage(first, k * start, each))
+            first += each
+        whole = math.lcm(*range(1, k_max + 1)) * start   # an epoch: whole steps of every stage
+        epoch_batches = train_sequences // whole * (whole // micro)
+        if epoch_batches == 0:
+            raise ConfigError(f"train.batch_rampup_stages=multiples cuts an epoch to a multiple of lcm(1..{k_max}) x "
+                              f"train.global_batch_size_start = {whole:,} sequences and there are {train_sequences:,}: "
+                              "use more data, a larger start, or train.batch_rampup_stages=divisors")
+    else:
+        sizes = [m * start for m in range(1, full // start + 1) if full % (m * start) == 0]
+        share = t.batch_rampup_tokens / (len(sizes) - 1)
+        for size in sizes[:-1]:
+            count = math.ceil(share / (size * seq))
+            count = -(-count // (full // size)) * (full // size)   # whole full-size steps: no step crosses an epoch
+            stages.append(Stage(first, size, count))
+            first += count
     plan = BatchPlan((*stages, Stage(first, full, None)), micro, epoch_batches, steps)
     if t.epochs is None:
         return plan
@@ -120,6 +141,11 @@ def check_ramp(train: TrainConfig, world: int | None = None) -> None:
                           f"{t.global_batch_size} (the ramp's stages are its multiples that divide the full batch): "
                           f"pick a divisor, such as {max(d for d in range(1, min(start, t.global_batch_size // 2) + 1) if t.global_batch_size % d == 0)}")
     if world is not None and isinstance(t.micro_batch_size, int) and start % (t.micro_batch_size * world):
+        unit = t.micro_batch_size * world
+        fits = [d for d in range(unit, t.global_batch_size + 1, unit) if t.global_batch_size % d == 0]
+        nearest = sorted(fits, key=lambda d: (abs(d - start), d))[:2]
+        offer = (f"the nearest that are: {' or '.join(map(str, sorted(nearest)))}" if nearest else
+                 f"no start is, as train.global_batch_size={t.global_batch_size} is not a multiple of {unit}")
         raise ConfigError(f"train.global_batch_size_start={start} is not divisible by train.micro_batch_size="
-                          f"{t.micro_batch_size} x world_size={world} = {t.micro_batch_size * world}: every stage "
-                          "of the ramp must be whole micro batches on every rank; pick a multiple of it")
+                          f"{t.micro_batch_size} x world_size={world} = {unit}: every stage of the ramp (a multiple "
+                          f"of the start) must be whole micro batches on every rank; {offer}")

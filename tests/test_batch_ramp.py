@@ -18,9 +18,9 @@ from conftest import assert_same_weights, launch, refused_in_process, run_in_pro
 TOL = 1e-5   # fp32, dropout off: another process count sums in another order
 
 
-def plan_of(tmp_path, sequences: int, steps: int = 1000, **train):
+def plan_of(tmp_path, sequences: int, steps: int = 1000, seq: int | None = None, **train):
     cfg = load_config(None, [f"run.output_dir={tmp_path}"] + [f"train.{k}={v}" for k, v in train.items()])
-    return batch_plan(cfg.train, cfg.data.max_seq_length, sequences, steps)
+    return batch_plan(cfg.train, seq or cfg.data.max_seq_length, sequences, steps)
 
 
 def test_the_stages_divide_the_full_batch_and_no_step_crosses_an_epoch(tmp_path):
@@ -42,6 +42,32 @@ def test_the_stages_divide_the_full_batch_and_no_step_crosses_an_epoch(tmp_path)
                      batch_rampup_tokens=2048, epochs=2, max_steps="null")
     assert epochs.position(epochs.total_steps) == 2 * epochs.epoch_batches   # the ramp's smaller steps: more steps
     assert epochs.total_steps > 62
+
+
+def test_modernberts_stages_add_a_micro_batch_a_device_each_for_the_same_steps(tmp_path):
+    """train.batch_rampup_stages=multiples on ModernBERT-base's own values (yamls/modernbert/modernbert-base-pretrain
+    .yaml: 4,608 x 1,024 tokens, micro 96 on 8 GPUs, warmup from 768 over 50B tokens): every multiple of the start,
+    each but the last the same steps. ModernBERT's BatchSizeWarmupScheduler (src/sequence_packer.py:40-50) gives each
+    of its 5 ramp stages 50e9 / 8 / 15 tokens a device per micro batch a device = 4,238.6 steps of 96 x 1,024; here
+    4,240 (rounded up to even). No step crosses an epoch's end, an epoch is whole steps of every stage, and the
+    divisors' shape stays the default."""
+    p = plan_of(tmp_path, 1_000_000, 30_000, 1024, global_batch_size=4608, micro_batch_size=96, global_batch_size_start=768,
+                batch_rampup_tokens=50_000_000_000, batch_rampup_stages="multiples")
+    assert [s.batch for s in p.stages] == [768, 1536, 2304, 3072, 3840, 4608]
+    theirs = 50e9 / 8 / sum(range(1, 6)) / (96 * 1024)
+    assert {s.steps for s in p.stages[:-1]} == {4240} and abs(4240 - theirs) < 2
+    assert (p.epoch_batches * 96) % (60 * 768) == 0 and 1_000_000 - p.epoch_batches * 96 < 60 * 768   # lcm(1..6) = 60
+    odd = plan_of(tmp_path, 1000, 1000, 32, global_batch_size=40, micro_batch_size=4, global_batch_size_start=8,
+                  batch_rampup_tokens=7680, batch_rampup_stages="multiples")   # 7,680 / (32 x 8 x 10): 3 steps, made 4
+    assert [(s.batch, s.steps) for s in odd.stages] == [(8, 4), (16, 4), (24, 4), (32, 4), (40, None)]
+    for cfg in (p, odd):
+        for step in range(0, 30_000 if cfg is p else 600, 7 if cfg is p else 1):
+            epoch, taken = cfg.where(step)
+            batch, _ = cfg.at(step)
+            assert taken % (batch // cfg.micro) == 0 and taken + batch // cfg.micro <= cfg.epoch_batches, step
+    assert "an epoch is 960 sequences, whole steps of every stage" in odd.line(32, 1)
+    assert plan_of(tmp_path, 1000, global_batch_size=32, micro_batch_size=4, global_batch_size_start=8,
+                   batch_rampup_tokens=2048).stages[2].batch == 32   # divisors: 8, 16, 32
 
 
 # ----------------------------------------------------------------------------- runs
@@ -121,7 +147,9 @@ def test_bad_values_are_one_line(tmp_path, sample_dir, datasets_cache, shared_to
              ({"train.global_batch_size_start": 12, "train.batch_rampup_tokens": 1000},
               "train.global_batch_size_start=12 must divide train.global_batch_size=16"),
              ({"train.global_batch_size_start": 4, "train.batch_rampup_tokens": 1000},
-              "train.global_batch_size_start=4 is not divisible by train.micro_batch_size=8 x world_size=1")]
+              "train.global_batch_size_start=4 is not divisible by train.micro_batch_size=8 x world_size=1 = 8: every "
+              "stage of the ramp (a multiple of the start) must be whole micro batches on every rank; the nearest that "
+              "are: 8")]
     for extra, said in cases:
         argv = [f"--{a}" for a in tiny_args(tmp_path / "run", sample_dir, datasets_cache,
                                             **{"tokenizer.name_or_path": shared_tokenizer, **extra})]
@@ -156,3 +184,22 @@ def test_the_modern_recipe_runs_on_2_processes(tmp_path, sample_dir, datasets_ca
     assert [r["global_batch_size"] for r in result["history"]["train"]] == [16, 16]
     assert "[data] data.mixture: 2 sources" in log and "500 of each 1000 positions (target 50.0%" in log
     assert sum(s["sequences"] for s in result["final"]["mixture"].values()) == 8 * 16
+
+
+def test_modernberts_stages_resume_on_another_process_count(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """train.batch_rampup_stages=multiples (8, 16, 24, 32, two steps each): DDP on 2 processes halted at step 5, in the
+    24-sequence stage (accumulation 3, which 1 process runs as 6), resumed on 1: the uninterrupted 2-process run's
+    weights within 1e-5, with the same batches and the same mixture reads, across an epoch's end (416 sequences in
+    16 steps, an epoch cut to 288: whole steps of every stage, as the log says)."""
+    args = lambda out, **more: tiny_args(out, sample_dir, datasets_cache, **common(  # noqa: E731
+        shared_tokenizer, sample_dir, **{"train.batch_rampup_stages": "multiples", **more}))
+    full = launch(2, args(tmp_path / "full"))
+    assert full["final"]["num_processes"] == 2 and full["final"]["backend"]["name"] == "ddp"
+    assert ("8 (accum 1) for steps 0-1, 16 (accum 2) for steps 2-3, 24 (accum 3) for steps 4-5, 32 (accum 4) from "
+            "step 6; an epoch is 288 sequences, whole steps of every stage") in (tmp_path / "full.log").read_text()
+    launch(2, args(tmp_path / "ddp", **{"train.halt_at_step": 5}))
+    one = launch(1, args(tmp_path / "ddp", **{"checkpoint.resume": "auto"}))
+    assert one["final"]["num_processes"] == 1 and one["final"]["steps"] == 16
+    assert [r["global_batch_size"] for r in history(tmp_path / "ddp")] == [8] * 2 + [16] * 2 + [24] * 2 + [32] * 10
+    assert_same_weights(tmp_path / "full/model/model.safetensors", tmp_path / "ddp/model/model.safetensors", TOL)
+    assert one["final"]["mixture"] == full["final"]["mixture"]

@@ -176,7 +176,7 @@ def test_the_tiny_modernbert_phase_recipes_chain(tmp_path, sample_dir, datasets_
               "train.eval_every=null"]
     mlm, context, decay = (tmp_path / name for name in ("mlm", "context", "decay"))
     run_in_process([f"run.output_dir={mlm}", f"tokenizer.name_or_path={shared_tokenizer}", "train.max_steps=6",
-                    "data.max_train_samples=400", *common], recipe=str(repo / "recipes/tiny-modernbert-mlm.yaml"))
+                    "data.max_train_samples=800", *common], recipe=str(repo / "recipes/tiny-modernbert-mlm.yaml"))
     capsys.readouterr()
     run_in_process([f"run.output_dir={context}", f"checkpoint.init_from={mlm}", "train.max_steps=4",
                     "data.max_train_samples=200", *common], recipe=str(repo / "recipes/tiny-modernbert-context.yaml"))

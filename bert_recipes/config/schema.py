@@ -358,13 +358,20 @@ class TrainConfig:
     """Sequences per optimizer step, summed over all ranks and accumulation steps (with a ramp: the batch it ends at)."""
     global_batch_size_start: Optional[int] = ranged(None, **POSITIVE, hint="sequences")
     """A batch that grows (ModernBERT, mmBERT, Megatron's rampup_batch_size): the global batch the run starts at,
-    a divisor of train.global_batch_size. The batch rises through the stages between them that divide the full
-    batch and are multiples of this one (768 -> 4608: 768, 1536, 2304, 4608), each but the last for an equal share
-    of train.batch_rampup_tokens; the micro batch stays, the accumulation grows. The lr schedule counts optimizer
+    a divisor of train.global_batch_size. The batch rises through stages of multiples of this one
+    (train.batch_rampup_stages) over train.batch_rampup_tokens; the micro batch stays, the accumulation grows. The lr schedule counts optimizer
     steps. Exactly resumable on any process count (bert_recipes/batch_ramp.py). Not under the pipeline."""
     batch_rampup_tokens: Optional[int] = ranged(None, **POSITIVE, hint="tokens: sequences x data.max_seq_length")
     """The tokens (sequences x data.max_seq_length) the batch takes to reach train.global_batch_size; each stage's
-    steps are rounded up to whole full-size steps, so no step crosses an epoch's end."""
+    steps are rounded so that no step crosses an epoch's end."""
+    batch_rampup_stages: Literal["divisors", "multiples"] = "divisors"
+    """The ramp's stages. divisors: the multiples of the start that divide the full batch (768 -> 4608: 768, 1536,
+    2304, 4608), each but the last for an equal share of the tokens, whole full-size steps each. multiples:
+    ModernBERT's (BatchSizeWarmupScheduler, src/sequence_packer.py): every multiple of the start (768, 1536, 2304,
+    3072, 3840, 4608: a micro batch a device more each stage where the start is one a device), each but the last
+    the same number of steps (its tokens grow with its batch), that number even, and an epoch cut to whole steps of
+    every stage (a multiple of lcm(1..full/start) x start sequences). ModernBERT derives its stages from the world
+    size; here they come from the recipe alone, so a resume on any process count keeps them."""
     micro_batch_size: Union[int, Literal["auto"]] = ranged(32, **POSITIVE, also=("auto",), hint="auto: GPUs")
     """Sequences per forward pass on one rank. Accumulation = global / (micro x world). auto (GPUs): the
     largest divisor of global / data-parallel ranks that the memory planner says fits this GPU's free
