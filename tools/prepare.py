@@ -9,6 +9,7 @@ training in seconds instead of tokenizing.
     # --data.prepared_dir=data/prepared/classify
     python tools/prepare.py --make-corpus data/corpus-1g.txt --size 1G   # a generated corpus to measure on
     python tools/prepare.py --make-corpus data/book.txt --size 10M --one-line   # a book on one line
+    python tools/prepare.py --make-corpus data/long.txt --size 40M --paragraphs 20   # articles of ~20 paragraphs
     python tools/prepare.py --recipe R --out data/store/x --store --workers 16   # a token store (datatrove), for MLM
     make prepare RECIPE=R OUT=data/store/x STORE=1 WORKERS=16
     # then: --data.source=store --data.store_dir=data/store/x
@@ -110,10 +111,11 @@ class AnonymousMemory:
         self.file.unlink()
 
 
-def make_corpus(path: Path, size: str, sample_dir: Path, one_line: bool = False) -> int:
+def make_corpus(path: Path, size: str, sample_dir: Path, one_line: bool = False, paragraphs: int = 1) -> int:
     """A generated corpus of `size` bytes: the embedded sample's pretraining text, its lines shuffled
     anew on every pass, one paragraph per line; one_line: all of it one document on one line (a book on one line,
-    the long document a token store cuts). -> bytes written."""
+    the long document a token store cuts); paragraphs: documents of several paragraphs a line, their count drawn
+    (seeded) from a geometric distribution of that mean, so lengths spread as articles' do. -> bytes written."""
     from bert_recipes.data.sample import build_sample
     build_sample(sample_dir)
     lines = (sample_dir / "pretrain/train.txt").read_text().splitlines()
@@ -123,7 +125,15 @@ def make_corpus(path: Path, size: str, sample_dir: Path, one_line: bool = False)
     with open(path, "w") as f:
         while written < target:
             rng.shuffle(lines)
-            chunk = ("\n" if not one_line else " ").join(lines) + ("\n" if not one_line else " ")
+            if paragraphs > 1:
+                documents, at = [], 0
+                while at < len(lines):
+                    n = 1 + int(rng.expovariate(1 / (paragraphs - 1)))
+                    documents.append(" ".join(lines[at:at + n]))
+                    at += n
+            else:
+                documents = lines
+            chunk = ("\n" if not one_line else " ").join(documents) + ("\n" if not one_line else " ")
             f.write(chunk)
             written += len(chunk.encode())
         if one_line:
@@ -240,6 +250,7 @@ def main(argv=None) -> int:
     parser.add_argument("--make-corpus", help="instead: write a generated corpus to this file")
     parser.add_argument("--size", default="1G", help="of the generated corpus: 256M, 1G, ...")
     parser.add_argument("--one-line", action="store_true", help="--make-corpus: the whole corpus one line (a book)")
+    parser.add_argument("--paragraphs", type=int, default=1, help="--make-corpus: paragraphs a document, on average")
     parser.add_argument("--sample-dir", default="data/sample")
     parser.add_argument("--store", action="store_true", help="write a token store (datatrove) instead")
     parser.add_argument("--workers", type=int, default=1, help="--store: processes (a task a file)")
@@ -248,7 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", type=int, default=1)
     args, overrides = parser.parse_known_args(argv)
     if args.make_corpus:
-        n = make_corpus(Path(args.make_corpus), args.size, Path(args.sample_dir), args.one_line)
+        n = make_corpus(Path(args.make_corpus), args.size, Path(args.sample_dir), args.one_line, args.paragraphs)
         print(f"[prepare] wrote {n / 1e9:.2f} GB of text to {args.make_corpus}")
         return 0
     try:
@@ -271,6 +282,13 @@ def main(argv=None) -> int:
             print(f"[prepare] {args.out}: a token store of {meta['tokens']:,} tokens in {meta['documents']:,} documents "
                   f"({meta['dtype']}, {len(meta['shards'])} shards) in {meta['seconds']}s; train with "
                   f"--data.source=store --data.store_dir={args.out}")
+            if cfg.data.packing == "best_fit":   # the pack plan beside it, so a read-only store serves every run
+                from bert_recipes.data.best_fit import plan_rows
+                from bert_recipes.data.store import TokenStore
+                plan = json.loads((plan_rows(TokenStore(Path(args.out)), cfg.data.max_seq_length) / "plan.json"
+                                   ).read_text())
+                print(f"[prepare] {args.out}: its best-fit plan, {plan['rows']:,} rows of {plan['seq']} tokens, "
+                      f"{plan['padding']:.1%} padding")
             return 0
         if TASKS[cfg.task.kind].masked_lm and cfg.data.packing:
             meta = prepare_run_stores(cfg, Path(args.out), args.workers)

@@ -190,6 +190,11 @@ def check_documents(cfg: Config) -> None:
         raise ConfigError("data.document_mask=true keeps a packed row's documents apart: it needs packed MLM "
                           f"(task.kind=mlm, data.packing=true; now task.kind={cfg.task.kind}, data.packing={d.packing}); "
                           "for padded batches use data.unpad")
+    if d.packing == "best_fit" and not (packed_mlm and d.document_mask):
+        raise ConfigError("data.packing=best_fit packs whole documents into a row and pads its tail: the documents and "
+                          "the padding must attend apart, so it needs task.kind=mlm and data.document_mask=true (now "
+                          f"task.kind={cfg.task.kind}, data.document_mask={d.document_mask}); set them, or data.packing="
+                          "true")
     if d.unpad and packed_mlm:
         raise ConfigError("data.unpad=true is for padded batches (fine-tuning, unpacked MLM); packed MLM blocks have no "
                           "padding: set data.unpad=false (data.document_mask keeps their documents apart)")

@@ -231,10 +231,12 @@ class DataConfig:
     splits is always one), so the same few shapes repeat: each new shape costs kernels, cuDNN graphs and a
     torch.compile recompile. auto: 8 on GPUs, off on CPUs; 0: off (each batch padded to its longest, rounded up to a
     multiple of 8 on GPUs). At most 8: dynamo's recompile limit (train.compile compiles each bin once)."""
-    packing: bool = True
+    packing: Union[bool, Literal["best_fit"]] = True
     """mlm only. True: concatenate then chunk into full blocks (no padding, standard for pretraining), read from a
     token store the run makes of its text on first use, in the data cache (bert_recipes/data/store_cache.py).
-    False: one line per example, padded dynamically per batch."""
+    best_fit: ModernBERT's packing, from the same store: whole documents (cut only where longer than a row) packed
+    greedily best-fit into rows of data.max_seq_length, the rest of a row padding; needs data.document_mask
+    (bert_recipes/data/best_fit.py). False: one line per example, padded dynamically per batch."""
     document_mask: bool = False
     """Packed MLM: attention stays within each document of a packed row, and positions restart at each document
     (a document: a line of .txt, a row of JSON, CSV or parquet; a document longer than a block is cut, and its

@@ -38,7 +38,7 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
         tokenizer = AutoTokenizer.from_pretrained(str(check_store_dir(data_cfg.store_dir) / "tokenizer"))
         data = store_splits(data_cfg.store_dir, data_cfg.max_seq_length, tokenizer.all_special_ids,
                             data_cfg.document_mask, data_cfg.validation_split_percentage, data_cfg.max_train_samples,
-                            data_cfg.max_eval_samples)
+                            data_cfg.max_eval_samples, data_cfg.packing, tokenizer.pad_token_id)
         return tokenizer, data, kind_of(task.kind).collator(data_cfg, task, seed, tokenizer, fixed_length), {}
     cache = data_cache(data_cfg)
     if is_main:   # the places the user named: an OSError creating one is one line naming the key

@@ -97,6 +97,10 @@ def _collate(examples: list[dict], pad_id: int, pad_to_multiple_of: int | None, 
     if fixed_length is None and not bins and min(lengths) == max(lengths):
         batch = {k: torch.from_numpy(np.array([e[k] for e in examples], dtype=np.int64))
                  for k in columns if k != "attention_mask"}
+        if "attention_mask" in columns:   # kept where it marks padding (best-fit rows' tails: the real tokens counted)
+            real = np.array([e["attention_mask"] for e in examples], dtype=np.int64)
+            if not real.all():
+                batch["attention_mask"] = torch.from_numpy(real)
     else:
         width = fixed_length or padded_width(max(lengths), pad_to_multiple_of, bins)
         fill = {"input_ids": pad_id, "special_tokens_mask": 1}

@@ -123,7 +123,8 @@ class StoreBlocks:
             for row, shard, start in zip(rows, shards, starts):
                 ends = self.store.ends(int(shard))
                 first = int(np.searchsorted(ends, start, side="right"))   # the document the block starts in
-                row["document_ids"] = np.searchsorted(ends[first:], start + within, side="right").astype(np.int64)
+                near = ends[first:first + self.seq + 1]   # a block holds at most seq documents' ends
+                row["document_ids"] = np.searchsorted(near, start + within, side="right").astype(np.int64)
         return rows
 
 
@@ -148,15 +149,24 @@ class JoinedBlocks:
         return [self[int(i)] for i in indices]
 
 
+def packed_rows(store: TokenStore, seq: int, packing, documents: bool, special_ids: list[int], pad_id: int | None):
+    """A store's rows as data.packing reads them: full blocks (true), or whole documents best-fit into rows with
+    padding (best_fit: bert_recipes/data/best_fit.py; its pack plan made on first use, beside the store)."""
+    if packing == "best_fit":
+        from .best_fit import BestFitRows
+        return BestFitRows(store, seq, special_ids, pad_id)
+    return StoreBlocks(store, seq, special_ids, documents)
+
+
 def store_splits(store_dir: str, seq: int, special_ids: list[int], documents: bool, percent: float,
-                 max_train: int | None, max_eval: int | None) -> dict:
-    """{"train", "eval"}: the store's blocks, the last ceil(percent %) held out for evaluation (arithmetic: no list of
-    block numbers in memory), each cut to data.max_*_samples."""
-    blocks = StoreBlocks(TokenStore(check_store_dir(store_dir)), seq, special_ids, documents)
+                 max_train: int | None, max_eval: int | None, packing=True, pad_id: int | None = None) -> dict:
+    """{"train", "eval"}: the store's blocks (or best-fit rows: `packing`), the last ceil(percent %) held out for
+    evaluation (arithmetic: no list of block numbers in memory), each cut to data.max_*_samples."""
+    blocks = packed_rows(TokenStore(check_store_dir(store_dir)), seq, packing, documents, special_ids, pad_id)
     n = len(blocks)
     held = math.ceil(n * percent / 100)
     if n - held < 1 or held < 1:
-        raise ConfigError(f"data.store_dir={store_dir} holds {n} blocks of data.max_seq_length={seq} tokens: "
+        raise ConfigError(f"data.store_dir={store_dir} holds {n} rows of data.max_seq_length={seq} tokens: "
                           f"data.validation_split_percentage={percent} leaves {n - held} to train on and {held} to "
                           "evaluate (at least 1 of each is needed): give a larger corpus or shorter sequences")
     train, evaluation = range(0, n - held), range(n - held, n)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..config import DataConfig
 from .sources import data_cache
-from .store import STORE_META, STORE_VERSION, StoreBlocks, TokenStore
+from .store import STORE_META, STORE_VERSION, TokenStore, packed_rows
 from .tokenizing import TOKENIZE_VERSION, vocabulary_fingerprint
 
 STORES = "bert_recipes_stores"   # under the data cache: a store a split, by key
@@ -40,9 +40,11 @@ def stored_splits(raw, tokenizer, data: DataConfig) -> dict:
                     with running_datatrove(root / "prepare.log"):   # its lines stay out of the run's log
                         write_rows_store(rows, root, root / "tokenizer", data.text_column, data.num_proc or 1,
                                          vocabulary, rows._fingerprint)
-        out[split] = StoreBlocks(TokenStore(root), data.max_seq_length, tokenizer.all_special_ids, data.document_mask)
+        out[split] = packed_rows(TokenStore(root), data.max_seq_length, data.packing, data.document_mask,
+                                 tokenizer.all_special_ids, tokenizer.pad_token_id)
     return out
 
 
 def store_root(data: DataConfig, key: str) -> Path:
     return data_cache(data) / STORES / key
+

@@ -40,8 +40,12 @@ def tokenize(raw, tokenizer, task: TaskConfig, data: DataConfig):
 
 
 def notes(tokenized, task: TaskConfig) -> list[str]:
-    """Lines about the tokenized data worth a user's eye: none for MLM."""
-    return []
+    """Lines about the tokenized data worth a user's eye: best-fit rows' padding (data.packing=best_fit)."""
+    plan = getattr(tokenized.get("train"), "plan", None)
+    if plan is None:
+        return []
+    return [f"[data] data.packing=best_fit: the training store's documents in {plan['rows']:,} rows of {plan['seq']} "
+            f"tokens, {plan['padding']:.1%} of them padding (bert_recipes/data/best_fit.py)"]
 
 
 # ----------------------------------------------------------------------------- the collator
