@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError
-from .store import TokenStore
+from .store import StoredRows, TokenStore
 
 OPEN_ROWS = 64          # rows open at once (ModernBERT's window: 5 x the device batch of sequences)
 PLAN_VERSION = 1
@@ -121,40 +121,17 @@ def pack(store: TokenStore, seq: int) -> tuple[np.ndarray, np.ndarray, int]:
     return np.asarray(row_first, dtype=np.int64), pieces, int(pieces["length"].sum())
 
 
-class BestFitRows:
-    """A store's best-fit rows (plan_rows) as a dataset, the interface of store.StoreBlocks: a row is
-    {input_ids, special_tokens_mask, attention_mask (0 on the padding), document_ids (each piece its own document,
-    the padding one more)}. `rows` (a range of row numbers) selects the training or the evaluation share."""
+class BestFitRows(StoredRows):
+    """A store's best-fit rows (plan_rows): a row is {input_ids, special_tokens_mask, attention_mask (0 on the
+    padding), document_ids (each piece its own document, the padding one more)}."""
 
     def __init__(self, store: TokenStore, seq: int, special_ids: list[int], pad_id: int, rows: range | None = None):
-        self.store, self.seq, self.pad_id = store, seq, pad_id
-        self.special = np.zeros(max(max(special_ids, default=0) + 1, 1), dtype=bool)
-        self.special[list(special_ids)] = True
         where = plan_rows(store, seq)
         self.row_first = np.load(where / "rows.npy", mmap_mode="r")
         self.pieces = np.load(where / "pieces.npy", mmap_mode="r")
         self.plan = json.loads((where / "plan.json").read_text())
-        self.rows = rows if rows is not None else range(len(self.row_first) - 1)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def lengths(self) -> np.ndarray:
-        """Every row's width (batching.sequence_lengths): all data.max_seq_length, padding included."""
-        return np.full(len(self), self.seq, dtype=np.int64)
-
-    def training_order(self, seed: int):
-        from .batching import PermutedOrder
-        return PermutedOrder(len(self), seed)
-
-    def select(self, rows: range) -> "BestFitRows":
-        other = object.__new__(BestFitRows)
-        other.__dict__.update(self.__dict__)
-        other.rows = rows
-        return other
-
-    def __getitem__(self, i: int) -> dict:
-        return self.__getitems__([i])[0]
+        super().__init__(store, seq, special_ids, rows if rows is not None else range(len(self.row_first) - 1))
+        self.pad_id = pad_id
 
     def __getitems__(self, indices) -> list[dict]:
         out = []
@@ -171,8 +148,8 @@ class BestFitRows:
             documents[at:] = documents[at - 1] + 1 if at else 0
             real = np.zeros(self.seq, dtype=np.int64)
             real[:at] = 1
-            special = (self.special[np.minimum(ids, len(self.special) - 1)] & (ids < len(self.special))) | (real == 0)
-            out.append({"input_ids": ids, "special_tokens_mask": special.astype(np.int64), "attention_mask": real,
+            special = self.special_of(ids) | (1 - real)
+            out.append({"input_ids": ids, "special_tokens_mask": special, "attention_mask": real,
                         "document_ids": documents})
         return out
 

@@ -72,41 +72,52 @@ class TokenStore:
         return {**self.__dict__, "_tokens": {}, "_ends": {}}
 
 
-class StoreBlocks:
-    """The packed blocks of `seq` tokens of a store, numbered shard after shard (a shard's tail is left out), as a
-    dataset the loaders read: `rows` (a range of block numbers: the training or the evaluation share) selects them.
-    A row is {input_ids, special_tokens_mask[, document_ids]} as data.source=files' packed MLM rows are: a document
-    cut at a block's start goes on there as document 0 (tasks/mlm.py's packing)."""
+class StoredRows:
+    """What a store's rows share as a dataset the loaders read (StoreBlocks; best_fit.BestFitRows): `rows`, a range
+    of row numbers (the training or the evaluation share), each row `seq` tokens wide; the special tokens' table."""
 
-    def __init__(self, store: TokenStore, seq: int, special_ids: list[int], documents: bool, rows: range | None = None):
-        self.store, self.seq, self.documents = store, seq, documents
+    def __init__(self, store: TokenStore, seq: int, special_ids: list[int], rows: range):
+        self.store, self.seq, self.rows = store, seq, rows
         self.special = np.zeros(max(max(special_ids, default=0) + 1, 1), dtype=bool)
         self.special[list(special_ids)] = True
-        counts = [s["tokens"] // seq for s in store.shards]
-        self.first = np.cumsum([0] + counts)   # shard i holds blocks first[i] .. first[i+1] - 1
-        self.rows = rows if rows is not None else range(int(self.first[-1]))
+
+    def special_of(self, ids: np.ndarray) -> np.ndarray:
+        """1 where a token id is a special token's."""
+        return (self.special[np.minimum(ids, len(self.special) - 1)] & (ids < len(self.special))).astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def lengths(self) -> np.ndarray:
-        """Every block's tokens (batching.sequence_lengths): all full."""
+        """Every row's width (batching.sequence_lengths): all `seq` (a best-fit row's padding included)."""
         return np.full(len(self), self.seq, dtype=np.int64)
 
     def training_order(self, seed: int):
         """The training loader's sampler: each epoch's order computed from the position (batching.PermutedOrder),
-        so no rank holds a list of the store's blocks."""
+        so no rank holds a list of the store's rows."""
         from .batching import PermutedOrder
         return PermutedOrder(len(self), seed)
 
-    def select(self, rows: range) -> "StoreBlocks":
-        other = object.__new__(StoreBlocks)
+    def select(self, rows: range):
+        other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.rows = rows
         return other
 
     def __getitem__(self, i: int) -> dict:
         return self.__getitems__([i])[0]
+
+
+class StoreBlocks(StoredRows):
+    """The packed blocks of `seq` tokens of a store, numbered shard after shard (a shard's tail is left out).
+    A row is {input_ids, special_tokens_mask[, document_ids]} as data.source=files' packed MLM rows are: a document
+    cut at a block's start goes on there as document 0 (tasks/mlm.py's packing)."""
+
+    def __init__(self, store: TokenStore, seq: int, special_ids: list[int], documents: bool, rows: range | None = None):
+        counts = [s["tokens"] // seq for s in store.shards]
+        self.first = np.cumsum([0] + counts)   # shard i holds blocks first[i] .. first[i+1] - 1
+        super().__init__(store, seq, special_ids, rows if rows is not None else range(int(self.first[-1])))
+        self.documents = documents
 
     def __getitems__(self, indices) -> list[dict]:
         """Rows `indices` at once: each block a slice of its shard's map, the special tokens of all of them in one
@@ -116,7 +127,7 @@ class StoreBlocks:
         starts = (blocks - self.first[shards]) * self.seq
         ids = np.stack([self.store.tokens(int(shard))[start:start + self.seq] for shard, start in zip(shards, starts)]
                        ).astype(np.int64) if len(blocks) else np.zeros((0, self.seq), dtype=np.int64)
-        special = (self.special[np.minimum(ids, len(self.special) - 1)] & (ids < len(self.special))).astype(np.int64)
+        special = self.special_of(ids)
         rows = [{"input_ids": ids[j], "special_tokens_mask": special[j]} for j in range(len(blocks))]
         if self.documents:
             within = np.arange(self.seq)
