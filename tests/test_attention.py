@@ -225,7 +225,8 @@ def common(shared_tokenizer, **extra):
 
 # The rows these features run on, from accelerate_configs/backends.tsv by their launch files: one row of each engine
 # kind and ZeRO stage on one node, plus the first row that offloads to the host (an NVMe row runs in
-# tests/test_backends.py); the pipeline refuses both features in one line (test_bad_combinations_are_one_line).
+# tests/test_backends.py); the pipeline refuses them in one line (test_bad_combinations_are_one_line; best-fit needs
+# document masks).
 # DDP's runs are the reference; every other row's losses are DDP's within TOL (fp32, dropout off; the gaps measured
 # on CPU were below 1e-6).
 PLANS = {name: row.plan for name, row in backend_rows().items()}
@@ -244,6 +245,8 @@ def pad_free(tmp_path_factory, sample_dir, datasets_cache, shared_tokenizer):
     run_in_process(tiny_args(export, sample_dir, datasets_cache, **common(shared_tokenizer, **{"train.max_steps": 8})))
     cases = {"mlm": lambda out: tiny_args(out, sample_dir, datasets_cache, **common(
                  shared_tokenizer, **{"data.document_mask": True, "train.max_steps": 12})),
+             "best_fit": lambda out: tiny_args(out, sample_dir, datasets_cache, **common(
+                 shared_tokenizer, **{"data.document_mask": True, "data.packing": "best_fit", "train.max_steps": 12})),
              "unpad": lambda out: tiny_args(out, sample_dir, datasets_cache, task="classification", **{
                  "model.name_or_path": export / "model", "model.hidden_dropout_prob": 0.0,
                  "model.attention_probs_dropout_prob": 0.0, "data.unpad": True, "data.group_by_length": True,
@@ -262,11 +265,12 @@ def test_the_rows_cover_every_zero_stage_and_an_offload():
     assert {"ddp", "fsdp"} <= {PLANS[n].kind for n in ROWS} and PLANS[ROWS[-1]].offload == "cpu", ROWS
 
 
-@pytest.mark.parametrize("case", ["mlm", "unpad"])
+@pytest.mark.parametrize("case", ["mlm", "best_fit", "unpad"])
 @pytest.mark.parametrize("backend", ROWS)
 def test_documents_apart_and_unpadded_batches_match_ddp_on_every_row(backend, case, pad_free):
-    """Each row on 2 processes, the backend engaged: packed MLM with data.document_mask, and fine-tuning with
-    length-grouped unpadded batches (no padding counted); each learns, and its losses are DDP's within TOL."""
+    """Each row on 2 processes, the backend engaged: packed MLM with data.document_mask, the same best-fit
+    (data.packing: best_fit: its padding not counted as tokens), and fine-tuning with length-grouped unpadded batches
+    (no padding counted); each learns, and its losses are DDP's within TOL."""
     ours, ref = pad_free(backend, case), pad_free("ddp", case)
     final = ours["final"]
     assert final["num_processes"] == 2 and final["backend"]["distributed_type"] == ENGAGED[PLANS[backend].kind], final
@@ -274,11 +278,13 @@ def test_documents_apart_and_unpadded_batches_match_ddp_on_every_row(backend, ca
     assert rows[-1]["loss"] < rows[0]["loss"], rows
     if case == "unpad":
         assert all(r["padded_tokens_per_sec"] == pytest.approx(r["tokens_per_sec"]) for r in rows)   # no padding
+    if case == "best_fit":
+        assert all(r["tokens_per_sec"] < r["padded_tokens_per_sec"] for r in rows)   # the rows' tails, not counted
         assert final["eval_samples"] == final["eval_dataset_size"]
     gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, ref["history"]["train"])]
     assert len(gaps) == len(ref["history"]["train"]) and max(gaps) < TOL, gaps
     (evaluated,), (reference,) = ours["history"]["eval"], ref["history"]["eval"]
-    if case == "mlm":
+    if case != "unpad":
         assert abs(evaluated["eval_loss"] - reference["eval_loss"]) < TOL, (evaluated, reference)
     else:   # no eval loss for a classifier: its predictions, one sample's flip allowed for the summation order
         assert abs(evaluated["accuracy"] - reference["accuracy"]) <= 1 / final["eval_samples"], (evaluated, reference)
