@@ -82,6 +82,10 @@ def shrink(recipe: Path, out: Path, sample: Path, cache: Path, tokenizer: Path, 
         args["data.mixture"] = json.dumps(sources)
     elif c.data.source == "hub" and c.task.kind == "classification":
         args["data.dataset_name"] = glue
+    elif c.task.kind == "token_classification":   # CoNLL-2003's tags -> the sample's (bert_recipes/data/sample.py)
+        from bert_recipes.data.sample import NER_TAGS
+        args.update({"data.source": "sample", "data.sample_dir": sample, "task.num_labels": len(NER_TAGS),
+                     "task.label_names": f"[{', '.join(NER_TAGS)}]"})
     else:
         args.update({"data.source": "sample", "data.sample_dir": sample})
     return [f"{k}={'null' if v is None else v}" for k, v in args.items()]

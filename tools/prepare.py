@@ -236,7 +236,7 @@ def prepared_splits(path: Path, seq: int) -> dict:
     if (Path(path) / "store.json").is_file():
         from transformers import AutoTokenizer
 
-        from bert_recipes.data.store import store_splits
+        from bert_recipes.data.store_cache import store_splits
         specials = AutoTokenizer.from_pretrained(str(Path(path) / "tokenizer")).all_special_ids
         return store_splits(str(path), seq, specials, False, 5, None, None)
     from datasets import DatasetDict

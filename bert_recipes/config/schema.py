@@ -204,6 +204,10 @@ class DataConfig:
     validation_split_percentage of them held out for evaluation; the tokenizer beside it."""
     dataset_name: Optional[str] = None
     dataset_config: Optional[str] = None
+    dataset_revision: Optional[str] = None
+    """source: hub: the dataset repository's revision (a branch, tag or commit). A dataset that ships a loading script,
+    which datasets 5 does not run, loads from the Hub's parquet conversion: refs/convert/parquet
+    (eriktks/conll2003)."""
     train_files: Optional[list[str]] = None
     mixture: Optional[list[MixtureSource]] = None
     """source: files, mlm: training data from several sources, sampled by weight: a list of {name, files, weight}, or
@@ -220,6 +224,11 @@ class DataConfig:
     text_pair_column: Optional[str] = None
     """classification on sentence pairs (MRPC, MNLI, ...): the second sentence's column."""
     label_column: str = "label"
+    """classification: a row's label; token_classification: a row's tags, one a word of data.text_column (a list of
+    words)."""
+    label_all_tokens: bool = False
+    """token_classification: every sub-token of a word takes its tag (an I- tag after a B- one, as run_ner.py's
+    label_all_tokens); false: only the first, the rest skipped by the loss and the scores."""
     max_seq_length: int = ranged(128, low=8, hint="tokens")
     group_by_length: bool = False
     """Batch sequences of similar length together (classification, unpacked MLM), so little compute

@@ -34,7 +34,8 @@ def prepare_data(data_cfg: DataConfig, task: TaskConfig, tok: TokenizerConfig, m
     if data_cfg.source == "store":   # packed MLM blocks, memory-mapped: nothing is tokenized or copied here
         from transformers import AutoTokenizer
 
-        from .store import check_store_dir, store_splits
+        from .store import check_store_dir
+        from .store_cache import store_splits
         tokenizer = AutoTokenizer.from_pretrained(str(check_store_dir(data_cfg.store_dir) / "tokenizer"))
         data = store_splits(data_cfg.store_dir, data_cfg.max_seq_length, tokenizer.all_special_ids,
                             data_cfg.document_mask, data_cfg.validation_split_percentage, data_cfg.max_train_samples,

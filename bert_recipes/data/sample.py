@@ -10,6 +10,10 @@ Classification task: docstring -> which area of the standard library it document
 The split is *by module*: all docstrings of one .py file land in one split, so near
 duplicates (overloads, subclasses restating their parent) cannot leak across splits.
 The validation and test modules are also kept out of the pretraining corpus.
+
+Token classification task (named entities, BIO): the same docstrings' first paragraphs as words, each word tagged
+NAME (a name in code: a call `f()`, a dotted name, snake_case, CamelCase, a ``literal`` in reST quotes) or LITERAL
+(a number, True, False, None, a quoted string, which may span words), else O; the same split by module.
 """
 from __future__ import annotations
 
@@ -38,7 +42,48 @@ SPLIT_FRACTIONS = {"train": 0.7, "validation": 0.15, "test": 0.15}
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "idlelib"}
 MIN_DOC_CHARS = 30
 MAX_DOC_CHARS = 2000
-FORMAT_VERSION = 3   # bump when the build changes, so cached copies are rebuilt
+FORMAT_VERSION = 4   # bump when the build changes, so cached copies are rebuilt
+NER_TAGS = ["O", "B-NAME", "I-NAME", "B-LITERAL", "I-LITERAL"]
+NER_MAX_WORDS = 48
+_NAME = re.compile(r"^(\w+\(\)|[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(\(\))?|[a-z][a-z0-9]*(_[a-z0-9]+)+|_\w+)$")
+_NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+
+
+def _camel(word: str) -> bool:
+    """A class's name: letters and digits, at least two capitals and a lower-case letter (HTTPConnection)."""
+    return word.isalnum() and word[0].isupper() and sum(map(str.isupper, word)) >= 2 and any(map(str.islower, word))
+
+
+def _ner_row(doc: str) -> dict | None:
+    """A docstring's first paragraph as words with BIO tags (NER_TAGS): punctuation split off a word's ends, reST's
+    ``...`` quotes and a quoted string's quotes kept as words of their own; None for a paragraph without entities."""
+    text = re.sub(r"\s+", " ", doc.split("\n\n")[0]).strip()
+    words, tags, quote = [], [], None
+    for raw in text.split(" ")[:NER_MAX_WORDS]:
+        lead = re.match(r"^[(\[{\"'`]*", raw).group()
+        tail = re.search(r"[)\]}.,;:!?\"'`]*$", raw[len(lead):]).group()
+        core = raw[len(lead):len(raw) - len(tail)] if tail else raw[len(lead):]
+        if core.endswith("(") and tail.startswith(")"):   # f() as one word
+            core, tail = core + ")", tail[1:]
+        for piece in filter(None, [*lead, core, *tail]):
+            words.append(piece)
+            if quote is not None:   # inside a quoted string: LITERAL until its closing quote
+                tags.append("O" if piece == quote else "I-LITERAL" if tags[-1] != "O" else "B-LITERAL")
+                if piece == quote:
+                    quote = None
+            elif piece in ("'", '"'):
+                tags.append("O")
+                quote = piece
+            elif piece in ("True", "False", "None") or _NUMBER.match(piece):
+                tags.append("B-LITERAL")
+            elif piece == core and (_NAME.match(piece) or _camel(piece) or lead.endswith("``") and piece.isidentifier()):
+                tags.append("B-NAME")
+            else:
+                tags.append("O")
+    if quote is not None:   # an unclosed quote: its words are not a literal
+        tags = [t if not t.endswith("LITERAL") or w in ("True", "False", "None") or _NUMBER.match(w) else "O"
+                for w, t in zip(words, tags)]
+    return {"tokens": words, "ner_tags": tags} if any(t != "O" for t in tags) and len(words) >= 4 else None
 
 
 def _stdlib_files(root: Path) -> list[Path]:
@@ -97,6 +142,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
     out_dir/pretrain/{train,validation}.txt   one paragraph per line
     out_dir/pretrain/{reference,docstrings}.txt   train.txt's paragraphs by kind: the language reference, docstrings
     out_dir/classify/{train,validation,test}.jsonl   {"text": ..., "label": int, "area": str}
+    out_dir/ner/{train,validation,test}.jsonl   {"tokens": [words], "ner_tags": [BIO tags, NER_TAGS]}
     out_dir/manifest.json   counts, label names, majority baseline, content hashes
     """
     out = Path(out_dir)
@@ -145,6 +191,11 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
 
     (out / "pretrain").mkdir(parents=True, exist_ok=True)
     (out / "classify").mkdir(parents=True, exist_ok=True)
+    (out / "ner").mkdir(parents=True, exist_ok=True)
+    ner = {split: [row for row in map(_ner_row, (r["text"] for r in rows)) if row] for split, rows in examples.items()}
+    for split, rows in ner.items():
+        (out / "ner" / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     # the training paragraphs by kind, two sources for a data.mixture (recipes/tiny-mlm-modern.yaml)
     files = {"pretrain/train.txt": pre_train, "pretrain/validation.txt": pre_val,
              "pretrain/reference.txt": [p for p in pre_train if p in reference],
@@ -165,13 +216,17 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
         "pretrain_lines": {"train": len(pre_train), "validation": len(pre_val)},
         "pretrain_chars": sum(len(p) for p in pre_train),
         "classify_examples": {s: len(r) for s, r in examples.items()},
+        "ner_tags": NER_TAGS,
+        "ner_examples": {s: len(r) for s, r in ner.items()},
+        "ner_tag_counts": {s: dict(sorted(Counter(t for r in rows for t in r["ner_tags"]).items()))
+                           for s, rows in ner.items()},
         "classify_label_counts": {s: dict(sorted(Counter(LABELS[r["label"]] for r in rows).items()))
                                   for s, rows in examples.items()},
         "majority_label": LABELS[majority],
         "majority_baseline_accuracy": {s: sum(r["label"] == majority for r in rows) / max(len(rows), 1)
                                        for s, rows in examples.items()},
         "sha256": {name: _hash((out / name).read_text(encoding="utf-8"))
-                   for name in [*files, *(f"classify/{s}.jsonl" for s in examples)]},
+                   for name in [*files, *(f"{kind}/{s}.jsonl" for kind in ("classify", "ner") for s in examples)]},
     }
     tmp = manifest_path.with_suffix(".tmp")   # the manifest is written last: its presence means "complete"
     tmp.write_text(json.dumps(manifest, indent=2))

@@ -36,16 +36,18 @@ def read_sample(data: DataConfig, task: TaskConfig):
 def read_hub(data: DataConfig, task: TaskConfig):
     """data.source=hub: data.dataset_name (and data.dataset_config) from the Hub or datasets' cache. -> DatasetDict of
     its splits."""
-    return read_dataset(data.dataset_name, data.dataset_config, data, "data.dataset_name", "data.dataset_config")
+    return read_dataset(data.dataset_name, data.dataset_config, data, "data.dataset_name", "data.dataset_config",
+                        data.dataset_revision)
 
 
-def read_dataset(name: str, config: str | None, data: DataConfig, name_key: str, config_key: str):
+def read_dataset(name: str, config: str | None, data: DataConfig, name_key: str, config_key: str,
+                 revision: str | None = None):
     """A dataset by name (data.source=hub, a mixture's dataset source): a Hub name or a local directory
     datasets.load_dataset reads, from the Hub or datasets' cache; the Hub out of reach with nothing cached is one line
     naming the keys. -> DatasetDict of its splits."""
     import datasets
     try:
-        return datasets.load_dataset(name, config, cache_dir=data.cache_dir)
+        return datasets.load_dataset(name, config, cache_dir=data.cache_dir, revision=revision)
     except OSError as err:   # only the Hub out of reach with nothing cached; any other error is the library's
         if not hub_unreachable(err, datasets.config.HF_HUB_OFFLINE):
             raise

@@ -10,7 +10,6 @@ manifest, never the tokens. No torch at import time."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -158,31 +157,3 @@ class JoinedBlocks:
 
     def __getitems__(self, indices) -> list[dict]:
         return [self[int(i)] for i in indices]
-
-
-def packed_rows(store: TokenStore, seq: int, packing, documents: bool, special_ids: list[int], pad_id: int | None):
-    """A store's rows as data.packing reads them: full blocks (true), or whole documents best-fit into rows with
-    padding (best_fit: bert_recipes/data/best_fit.py; its pack plan made on first use, beside the store)."""
-    if packing == "best_fit":
-        from .best_fit import BestFitRows
-        return BestFitRows(store, seq, special_ids, pad_id)
-    return StoreBlocks(store, seq, special_ids, documents)
-
-
-def store_splits(store_dir: str, seq: int, special_ids: list[int], documents: bool, percent: float,
-                 max_train: int | None, max_eval: int | None, packing=True, pad_id: int | None = None) -> dict:
-    """{"train", "eval"}: the store's blocks (or best-fit rows: `packing`), the last ceil(percent %) held out for
-    evaluation (arithmetic: no list of block numbers in memory), each cut to data.max_*_samples."""
-    blocks = packed_rows(TokenStore(check_store_dir(store_dir)), seq, packing, documents, special_ids, pad_id)
-    n = len(blocks)
-    held = math.ceil(n * percent / 100)
-    if n - held < 1 or held < 1:
-        raise ConfigError(f"data.store_dir={store_dir} holds {n} rows of data.max_seq_length={seq} tokens: "
-                          f"data.validation_split_percentage={percent} leaves {n - held} to train on and {held} to "
-                          "evaluate (at least 1 of each is needed): give a larger corpus or shorter sequences")
-    train, evaluation = range(0, n - held), range(n - held, n)
-    if max_train is not None:
-        train = train[:max_train]
-    if max_eval is not None:
-        evaluation = evaluation[:max_eval]
-    return {"train": blocks.select(train), "eval": blocks.select(evaluation)}

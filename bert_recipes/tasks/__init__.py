@@ -39,6 +39,11 @@ TASKS = {
     "classification": TaskKind("sequence classification", masked_lm=False, labelled=True, test_predictions=True,
                                metrics=None, sample=("json", "classify/{split}.jsonl", ("train", "validation", "test")),
                                pipeline_tag="text-classification"),
+    "token_classification": TaskKind("token classification (named entities, BIO tags)", masked_lm=False,
+                                     labelled=True, test_predictions=False, metrics=("f1", "precision", "recall",
+                                                                                      "accuracy"),
+                                     sample=("json", "ner/{split}.jsonl", ("train", "validation", "test")),
+                                     pipeline_tag="token-classification"),
 }
 
 

@@ -1,0 +1,137 @@
+"""task.kind=token_classification (bert_recipes/tasks/token_classification.py): named entities as CoNLL-2003 tags
+them. A word's tag lands on its first sub-token (on every one with data.label_all_tokens, I- after B-, as run_ner.py
+does); entity F1 is seqeval's, not the token F1 a classifier would report (a hand-built case, the token score as the
+control); the sample's tagging task trains on 2 processes under DDP and ZeRO-2 with the same losses, a halt on 2
+resumed on 1 ends as the uninterrupted run, the export loads as a plain token classifier; the pipeline and bad
+values are one line each."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import assert_same_weights, launch, refused_in_process, run_in_process, tiny_args
+
+TOL = 1e-5
+TAGS = ["O", "B-NAME", "I-NAME", "B-LITERAL", "I-LITERAL"]
+
+
+def ner_args(out, sample_dir, datasets_cache, shared_tokenizer, **extra) -> list[str]:
+    return tiny_args(out, sample_dir, datasets_cache, task="classification", **{
+        "task.kind": "token_classification", "task.num_labels": 5, "task.label_names": f"[{', '.join(TAGS)}]",
+        "data.text_column": "tokens", "data.label_column": "ner_tags", "data.max_seq_length": 64,
+        "tokenizer.name_or_path": shared_tokenizer, "model.hidden_dropout_prob": 0.0,
+        "model.attention_probs_dropout_prob": 0.0, "train.max_steps": 16, "checkpoint.save_every": 8,
+        "train.eval_every": 8, **extra})
+
+
+def test_a_words_tag_lands_on_its_first_sub_token(shared_tokenizer):
+    """Words split into sub-tokens by the suite's WordPiece: the first piece carries the word's tag, the rest -100;
+    with label_all_tokens every piece does, a B- word's later pieces I-. Special tokens are -100."""
+    from datasets import Dataset, DatasetDict, Features, Sequence, Value
+    from transformers import AutoTokenizer
+
+    from bert_recipes.config import DataConfig, TaskConfig
+    from bert_recipes.tasks import token_classification as kind
+    tokenizer = AutoTokenizer.from_pretrained(str(shared_tokenizer))
+    words = ["call", "multiprocessing.get_context()", "with", "'spawn'"]
+    pieces = [len(tokenizer.tokenize(w)) for w in words]
+    assert pieces[1] > 1   # a word of several pieces
+    raw = DatasetDict({"train": Dataset.from_dict(
+        {"tokens": [words], "ner_tags": [["O", "B-NAME", "O", "B-LITERAL"]]},
+        features=Features({"tokens": Sequence(Value("string")), "ner_tags": Sequence(Value("string"))}))})
+    for all_tokens in (False, True):
+        task = TaskConfig(kind="token_classification", num_labels=5, label_names=list(TAGS))
+        data = DataConfig(text_column="tokens", label_column="ner_tags", max_seq_length=64,
+                          label_all_tokens=all_tokens, num_proc=None)
+        labels = kind.tokenize(raw, tokenizer, task, data)["train"][0]["labels"]
+        expected = [-100]
+        for word, tag, n in zip(words, ["O", "B-NAME", "O", "B-LITERAL"], pieces):
+            later = TAGS.index("I-" + tag[2:]) if tag != "O" else 0
+            expected += [TAGS.index(tag)] + [later if all_tokens else -100] * (n - 1)
+        assert labels == expected + [-100]
+
+
+def test_entity_f1_is_seqevals_not_the_token_score():
+    """Reference: two entities (NAME at 0; LITERAL over 2-3). The prediction finds NAME and half of LITERAL: one
+    entity right of two predicted and two true, F1 0.5 (conlleval counts a partial span as wrong), while 3 of 4
+    tokens are right (the control: a token-level score says 0.75)."""
+    from bert_recipes.config import TaskConfig
+    from bert_recipes.tasks import token_classification as kind
+    task = TaskConfig(kind="token_classification", num_labels=5, label_names=list(TAGS))
+    refs = np.array([[-100, 1, 0, 3, 4, -100]])
+    preds = np.array([[0, 1, 0, 3, 0, 2]])
+    scores = kind.metrics(task, {"preds": preds, "refs": refs})
+    assert scores["f1"] == scores["precision"] == scores["recall"] == 0.5
+    assert scores["accuracy"] == 0.75 and scores["eval_samples"] == 1
+
+
+def test_the_sample_tagger_trains_resumes_on_another_count_and_exports(tmp_path, sample_dir, datasets_cache,
+                                                                       shared_tokenizer):
+    """DDP on 2 processes: the loss goes down, entity F1 and token accuracy are reported; ZeRO-2 on 2 processes has
+    DDP's losses within 1e-5; halted at step 8 on 2 processes and resumed on 1, the uninterrupted run's weights within
+    1e-5; the export loads with AutoModelForTokenClassification and names its tags."""
+    from transformers import AutoModelForTokenClassification
+    args = lambda out, **more: ner_args(out, sample_dir, datasets_cache, shared_tokenizer, **more)  # noqa: E731
+    ddp = launch(2, args(tmp_path / "ddp"))
+    assert ddp["final"]["num_processes"] == 2 and ddp["final"]["backend"]["name"] == "ddp"
+    losses = [r["loss"] for r in ddp["history"]["train"]]
+    assert losses[-1] < losses[0]
+    final = ddp["final"]
+    assert {"f1", "precision", "recall", "accuracy"} <= set(final) and final["eval_samples"] == final[
+        "eval_dataset_size"]
+    zero2 = launch(2, args(tmp_path / "zero2"), backend="zero2")
+    assert zero2["final"]["num_processes"] == 2 and "DEEPSPEED" in zero2["final"]["backend"]["distributed_type"]
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(zero2["history"]["train"], ddp["history"]["train"])]
+    assert len(gaps) == len(losses) and max(gaps) < TOL, gaps
+    launch(2, args(tmp_path / "split", **{"train.halt_at_step": 8}))
+    one = launch(1, args(tmp_path / "split", **{"checkpoint.resume": "auto"}))
+    assert one["final"]["num_processes"] == 1 and one["final"]["steps"] == 16
+    assert_same_weights(tmp_path / "ddp/model/model.safetensors", tmp_path / "split/model/model.safetensors", TOL)
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "ddp/model")
+    assert type(model).__name__ == "BertForTokenClassification" and model.config.id2label[1] == "B-NAME"
+
+
+def test_the_pipeline_and_bad_values_are_one_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
+    """The pipeline has no token head to cut: one line. A tag the names do not cover, names that are not BIO, a tag
+    count that is not task.num_labels, a row whose tags and words differ in count: one line each, nothing written."""
+    from bert_recipes.backends.consistency import check_consistency
+    from bert_recipes.config import ConfigError, load_config
+    from conftest import backend_rows
+    cfg = load_config(None, ner_args(tmp_path / "pipe", sample_dir, datasets_cache, shared_tokenizer))
+    with pytest.raises(ConfigError, match="task.kind=token_classification: the pipeline engine cuts the heads of mlm, "
+                                          "classification only"):
+        check_consistency(cfg, backend_rows()["pipeline"].plan, 2, 1, False)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    rows = {"tag": [{"tokens": ["a", "b"], "ner_tags": ["O", "B-PER"]}],
+            "count": [{"tokens": ["a", "b", "c"], "ner_tags": ["O", "B-NAME"]}]}
+    cases = [({"data.source": "files", "data.train_files": f"[{bad / 'tag.jsonl'}]"},
+              "has the tag 'B-PER', which task.label_names="),
+             ({"data.source": "files", "data.train_files": f"[{bad / 'count.jsonl'}]"},
+              "has 3 words (tokens) and 2 tags (ner_tags): give every word one tag"),
+             ({"task.label_names": "[O, NAME, LITERAL, X, Y]"}, "are not BIO tags (O, B-<type>, I-<type>)"),
+             ({"task.num_labels": 3, "task.label_names": "null"}, "has 4 tag names")]   # the sample uses no I-NAME
+    for name, lines in rows.items():
+        (bad / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines * 40))
+    for extra, said in cases:
+        argv = [f"--{a}" for a in ner_args(tmp_path / "run", sample_dir, datasets_cache, shared_tokenizer, **extra)]
+        assert said in refused_in_process(argv, tmp_path / "run", capsys)
+
+
+def test_a_pretraining_is_scored_by_the_tagger(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
+    """checkpoint.downstream=recipes/tiny-ner.yaml: make downstream fine-tunes the pretraining's step-4 export as a
+    tagger and records its entity F1 (the recipe's first metric) by pretraining step."""
+    from conftest import REPO
+    from test_downstream import FINE_TUNE, run_tool   # tools/downstream.py's main, as its own tests run it
+    run = tmp_path / "pretrain"
+    run_in_process(tiny_args(run, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 4, "checkpoint.save_every": 4,
+        "model.max_position_embeddings": 128, "checkpoint.downstream": REPO / "recipes/tiny-ner.yaml"}))
+    common = [f"--data.sample_dir={sample_dir}", f"--data.cache_dir={datasets_cache}"]
+    assert run_tool([str(run), "--", *common, *FINE_TUNE]) == 0
+    (row,) = json.loads((run / "metrics.json").read_text())["history"]["downstream"]
+    assert row["step"] == 4 and row["metric"] == "f1" and 0 <= row["value"] <= 1
+    finetune = json.loads((run / "downstream/step_00000004/finetune/metrics.json").read_text())["final"]
+    assert finetune["f1"] == row["value"] and {"precision", "recall", "accuracy"} <= set(finetune)
