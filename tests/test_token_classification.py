@@ -135,3 +135,29 @@ def test_a_pretraining_is_scored_by_the_tagger(tmp_path, sample_dir, datasets_ca
     assert row["step"] == 4 and row["metric"] == "f1" and 0 <= row["value"] <= 1
     finetune = json.loads((run / "downstream/step_00000004/finetune/metrics.json").read_text())["final"]
     assert finetune["f1"] == row["value"] and {"precision", "recall", "accuracy"} <= set(finetune)
+
+
+def test_conll_column_files_are_read_as_sentences(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
+    """CoNLL-2003's own files (word, POS, chunk and NER columns; -DOCSTART- lines; a blank line between sentences),
+    gzipped or not, as data.train_files / data.validation_files: sentences of words with their last column's tags, and
+    a tagger trains on them; a line of one column is one line naming the file."""
+    import gzip
+
+    from bert_recipes.data.files import conll_sentences
+    text = ("-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\nGerman JJ B-NP B-MISC\ncall VB B-VP O\n\n"
+            "Peter NNP B-NP B-PER\nBlackburn NNP I-NP I-PER\n\n")
+    rows = conll_sentences(text.splitlines(), "x.conll")
+    assert rows["tokens"] == [["EU", "rejects", "German", "call"], ["Peter", "Blackburn"]]
+    assert rows["ner_tags"] == [["B-ORG", "O", "B-MISC", "O"], ["B-PER", "I-PER"]]
+    (tmp_path / "train.conll.gz").write_bytes(gzip.compress((text * 40).encode()))
+    (tmp_path / "dev.conll").write_text(text * 8)
+    names = "[O, B-PER, I-PER, B-ORG, I-ORG, B-LOC, I-LOC, B-MISC, I-MISC]"
+    result = run_in_process(ner_args(tmp_path / "run", sample_dir, datasets_cache, shared_tokenizer, **{
+        "data.source": "files", "data.train_files": f"[{tmp_path / 'train.conll.gz'}]",
+        "data.validation_files": f"[{tmp_path / 'dev.conll'}]", "task.num_labels": 9, "task.label_names": names,
+        "train.max_steps": 4, "train.eval_every": "null"}))
+    assert result["steps"] == 4 and result["eval_samples"] == 16
+    (tmp_path / "bad.conll").write_text("EU B-ORG\nrejects\n")
+    argv = [f"--{a}" for a in ner_args(tmp_path / "bad", sample_dir, datasets_cache, shared_tokenizer, **{
+        "data.source": "files", "data.train_files": f"[{tmp_path / 'bad.conll'}]"})]
+    assert "line 2 ('rejects') has one column" in refused_in_process(argv, tmp_path / "bad", capsys)

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from ..config import ConfigError, DataConfig, first_line, path_kind
 
-FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
+           ".conll": "conll"}   # CoNLL-2003's columns (conll_sentences): read as text, then grouped
 # suffix -> (what it is, the module fsspec/datasets decompress it with). Parquet compresses inside its own
 # pages: a compressed parquet file is refused.
 COMPRESSIONS = {".gz": ("gzip", "gzip"), ".bz2": ("bzip2", "bz2"), ".xz": ("xz", "lzma"), ".zst": ("zstd", "zstandard")}
@@ -43,6 +44,28 @@ def kind_of(path: str) -> tuple[str | None, str | None]:
     if compression:
         name = name[:name.rfind(".")]
     return FORMATS.get(Path(name).suffix), compression
+
+
+def conll_sentences(lines, name: str):
+    """CoNLL-2003's column files read as text lines -> a Dataset of sentences: {tokens: the first column, ner_tags:
+    the last}, a blank line ending a sentence, -DOCSTART- lines skipped. A line of one column is one line naming
+    the file and the line."""
+    from datasets import Dataset
+    tokens, tags, words, labels = [], [], [], []
+    for number, line in enumerate(list(lines) + [""], 1):
+        cells = line.split()
+        if not cells or cells[0] == "-DOCSTART-":
+            if words:
+                tokens.append(words)
+                tags.append(labels)
+                words, labels = [], []
+            continue
+        if len(cells) < 2:
+            raise ConfigError(f"{name}: line {number} ({line.strip()[:40]!r}) has one column; a CoNLL file has a word "
+                              "and its tag on each line (the tag last), sentences apart by a blank line")
+        words.append(cells[0])
+        labels.append(cells[-1])
+    return Dataset.from_dict({"tokens": tokens, "ner_tags": tags})
 
 
 def readable_compressions() -> list[str]:

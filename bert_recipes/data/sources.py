@@ -73,6 +73,12 @@ def read_files(files: dict[str, list[str]], data: DataConfig, key_of, named: str
     from datasets import load_dataset
     every = sum(files.values(), [])
     builder = check_kinds(every)
+    if builder == "conll":   # CoNLL-2003's columns: its lines as text, grouped into sentences
+        from datasets import DatasetDict
+
+        from .files import conll_sentences
+        lines = load_dataset("text", data_files=files, cache_dir=data.cache_dir)
+        return DatasetDict({split: conll_sentences(rows["text"], named) for split, rows in lines.items()})
     try:
         return load_dataset(builder, data_files=files, cache_dir=data.cache_dir)
     except Exception as err:   # pyarrow / pandas parse errors, a header without rows, files that disagree,
