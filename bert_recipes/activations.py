@@ -19,18 +19,23 @@ class Shape:
     intermediate: int
     max_positions: int = 512
     type_vocab: int = 2
-    num_labels: int | None = None    # None: masked LM; else a sequence-classification head
+    num_labels: int | None = None    # None: masked LM; else a classifier of this many outputs (per_token: below)
     architecture: str = "bert"
     local: tuple[bool, ...] = ()     # ModernBERT: which layers attend within a window ...
     window: int = 0                  # ... of this many tokens on each side (|i - j| <= window)
+    per_token: bool = False          # the classifier scores every token (token classification), not a sequence
 
     @classmethod
     def from_config(cls, config, task_kind: str) -> "Shape":
         """The shape of a model config trained for a task kind: a masked-LM kind's vocabulary head (num_labels None),
         else a head of config.num_labels outputs (bert_recipes/tasks/: the row's masked_lm)."""
+        from dataclasses import replace
+
         from .architectures import module, of_config
         from .tasks import TASKS
-        return module(of_config(config)).shape(cls, config, None if TASKS[task_kind].masked_lm else config.num_labels)
+        row = TASKS[task_kind]
+        shape = module(of_config(config)).shape(cls, config, None if row.masked_lm else config.num_labels)
+        return replace(shape, per_token=row.per_token and not row.masked_lm)
 
     def _architecture(self):
         from .architectures import module
@@ -165,7 +170,7 @@ def attention_bytes(work: Workload, device: str, kernel: str, B: int, scores: in
 def head_bytes(shape: Shape, work: Workload, device: str, B: int, tokens: int, lin: int, res: int, stat: int,
                 autocast: bool, e: int, p_h: bool, mask) -> int:
     """A head's saved bytes, for every architecture's activation_bytes: the MLM prediction head (its rows: every position, the masked
-    ones, or K slots) or the pooler and classifier."""
+    ones, or K slots), a token classifier, or the pooler and classifier."""
     b, h = work.batch, shape.hidden
     if shape.num_labels is None:
         rows = work.predicted_rows
@@ -180,6 +185,9 @@ def head_bytes(shape: Shape, work: Workload, device: str, B: int, tokens: int, l
             head += B * res + rows * 8 + 8
         elif work.sparse_head:
             head += tokens                              # the bool selection of masked positions
+    elif shape.per_token:   # token classification: dropout, the classifier at every position, the loss over them
+        c = shape.num_labels
+        head = B * lin + (mask(B, res) if p_h else 0) + tokens * c * 4 + tokens * 8 + 4
     else:
         c = shape.num_labels
         head = ((b * h * 2) if autocast else (B * e))   # first token: a view keeps the whole output

@@ -56,6 +56,9 @@ def tiny_batch(task: str, batch: int, seq: int, vocab: int, masked: int, num_lab
         labels = torch.full((batch, seq), -100)
         labels.view(-1)[torch.randperm(batch * seq, generator=gen)[:masked]] = 7
         out["labels"] = labels
+    elif task == "token_classification":   # a tag a token (its collator's -100s cost nothing more)
+        out["labels"] = torch.randint(0, num_labels, (batch, seq), generator=gen)
+        out.pop("token_type_ids")   # tasks/token_classification.py asks the tokenizer for none
     else:
         out["labels"] = torch.rand(batch, generator=gen) if num_labels == 1 else torch.randint(0, num_labels, (batch,))
     return out
@@ -79,6 +82,9 @@ CASES = [
     ("mlm", 64, 3, 4, 4, 64, "autocast", "sdpa", 0.1, 0.1, True, True, False, 3),
     ("mlm", 64, 3, 4, 4, 64, "half", "sdpa", 0.0, 0.0, True, True, False, 3),
     ("classification", 64, 2, 4, 8, 64, "fp32", "sdpa", 0.1, 0.1, True, False, True, 3),
+    ("token_classification", 64, 2, 4, 4, 32, "fp32", "sdpa", 0.1, 0.1, True, False, True, 5),
+    ("token_classification", 64, 2, 4, 4, 32, "fp32", "sdpa", 0.0, 0.0, True, False, False, 5),
+    ("token_classification", 64, 2, 4, 4, 32, "autocast", "sdpa", 0.1, 0.0, True, False, True, 5),
     ("classification", 64, 2, 4, 8, 64, "fp32", "sdpa", 0.1, 0.0, True, False, True, 3),
     ("classification", 64, 3, 4, 8, 48, "autocast", "sdpa", 0.1, 0.0, True, False, True, 3),
     ("classification", 64, 3, 4, 4, 64, "fp32", "sdpa", 0.1, 0.0, True, True, True, 3),
@@ -167,6 +173,8 @@ MODERNBERT_CASES = [
     ("mlm", 3, 2, 16, 4, 32, "fp32", "sdpa", 0.0, True, False, 3),
     ("classification", 3, 2, 16, 4, 32, "fp32", "sdpa", 0.0, False, True, 3),
     ("classification", 2, 2, 16, 4, 32, "autocast", "sdpa", 0.0, False, True, 1),
+    ("token_classification", 3, 2, 16, 4, 32, "fp32", "sdpa", 0.0, False, True, 5),
+    ("token_classification", 2, 2, 16, 4, 32, "autocast", "sdpa", 0.0, False, False, 5),
 ]
 
 
@@ -197,7 +205,8 @@ def test_modernbert_activation_estimate_matches_saved_tensors(case):
     assert abs(bert["total"] - got["activations"]) > TOLERANCE * got["activations"]
 
 
-@pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1)])
+@pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1),
+                                         ("token_classification", 5)])
 def test_modernbert_parameter_count_is_the_models(task, labels):
     model, config = tiny_modernbert(task, 3, 2, 16, 32, "sdpa", 0.0, False, labels)
     shape = Shape.from_config(config, task)
@@ -206,7 +215,8 @@ def test_modernbert_parameter_count_is_the_models(task, labels):
         == [n for group in shape.optimizer_groups() for n in group]
 
 
-@pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1)])
+@pytest.mark.parametrize("task,labels", [("mlm", 3), ("classification", 3), ("classification", 1),
+                                         ("token_classification", 5)])
 def test_parameter_count_is_the_models(task, labels):
     model, config = tiny_model(task, 64, 2, 4, 32, 0.1, 0.1, num_labels=labels)
     shape = Shape.from_config(config, task)

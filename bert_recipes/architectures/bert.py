@@ -130,6 +130,8 @@ def parameters(s) -> list[tuple[int, str]]:
     out += s.layers * layer_parameters(s)
     if s.num_labels is None:   # the vocab bias, transform, its LayerNorm
         out += [(v, "vocab_bias"), (h * h, "weight"), (h, "bias"), (h, "norm"), (h, "norm")]
+    elif s.per_token:          # the classifier alone (BertForTokenClassification has no pooler)
+        out += [(s.num_labels * h, "weight"), (s.num_labels, "bias")]
     else:                      # pooler, classifier
         out += [(h * h, "weight"), (h, "bias"), (s.num_labels * h, "weight"), (s.num_labels, "bias")]
     return out
@@ -155,8 +157,10 @@ def activation_bytes(shape, work, precision: str, device: str, checkpointing: bo
         """A dropout mask: bool on CUDA and packed (dropout modules), torch's on CPU in the input's dtype."""
         return elements * (1 if device == "cuda" or (packed and module) else of_bytes)
 
-    # --- embeddings: input_ids and token_type_ids (int64) for the lookups, LayerNorm, dropout
-    embeddings = 2 * tokens * 8 + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
+    # --- embeddings: input_ids and token_type_ids (int64) for the lookups, LayerNorm, dropout. A token classifier's
+    # batches carry no token types (tasks/token_classification.py): BERT looks up its buffer's first s, one row
+    types = s * 8 if shape.per_token else tokens * 8
+    embeddings = tokens * 8 + types + B * res + 2 * tokens * stat + (mask(B, res) if p_h else 0)
 
     # --- one encoder layer
     kernel = attention_kernel(work, device)

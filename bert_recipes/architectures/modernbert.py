@@ -230,9 +230,9 @@ def activation_bytes(shape, work, precision: str, device: str, checkpointing: bo
 
 def _classifier_bytes(shape, work, device, B, lin, stat, autocast, e) -> int:
     """The classifier's saved bytes: the head's dense input (the first token's hidden state: a view, the whole
-    output, unless autocast saves its 16-bit copy), GELU input, LayerNorm input and statistics, the classifier's
-    input, and the loss's inputs."""
-    b, h, c = work.batch, shape.hidden, shape.num_labels
+    output, unless autocast saves its 16-bit copy; a token classifier's: every token's), GELU input, LayerNorm input
+    and statistics, the classifier's input, and the loss's inputs, a sequence's or every token's."""
+    b, h, c = (work.batch * work.seq if shape.per_token else work.batch), shape.hidden, shape.num_labels
     ln_in = 4 if (autocast and device == "cuda") else lin   # CUDA autocast runs LayerNorm in fp32
     head = (b * h * 2) if autocast else B * e   # the head's dense input: its 16-bit copy, or the whole output
     head += b * h * lin + b * h * ln_in + 2 * b * stat + b * h * lin            # GELU in, LayerNorm in, classifier in
