@@ -388,7 +388,7 @@ def test_bench_smoke_writes_the_table_and_the_chart(tmp_path, sample_dir):
     assert sorted(r["name"] for r in journal) == sorted(rows.split("|"))   # each run kept as it finished
     assert set(result["collate_ms"]) == {"K predictions (default)", "whole-word masking, K", "per-token choice"}
     assert all(0 < ms < 1000 for by_batch in result["collate_ms"].values() for ms in by_batch.values())
-    assert set(result["fetch_ms"]) == {"row by row", "one call"}
+    assert set(result["fetch_ms"]) == {"row by row", "one call", "one call, documents apart", "one call, best-fit rows"}
     text = (out / "bench.md").read_text()
     assert text.count("| mlm") >= 2 and "| collate: K predictions (default) |" in text and "MFU, anchors'" in text
     assert "on CPUs both run a dense block-diagonal mask" in text   # the CPU proxy's limits, beside the rows

@@ -56,16 +56,27 @@ def collate_cost(data: dict, seq: int, batches: tuple = (32, 256), repeats: int 
 
 def fetch_cost(data: dict, batch: int = 256, repeats: int = 20) -> dict[str, float]:
     """Milliseconds to read one micro batch of `batch` packed rows from the memory-mapped token store, as the
-    DataLoader's fetcher does: row by row (__getitem__) against one call (data.Indexed.__getitems__)."""
+    DataLoader's fetcher does: row by row (__getitem__) against one call (data.Indexed.__getitems__); and in one
+    call with each token's document (data.document_mask), as blocks and as best-fit rows (data.packing: best_fit,
+    its plan made once beside the workload's store)."""
     from prepare import prepared_splits
+    from transformers import AutoTokenizer
 
     from bert_recipes.data.batching import Indexed
+    from bert_recipes.data.best_fit import BestFitRows
+    from bert_recipes.data.store import StoreBlocks, TokenStore
     train = Indexed(prepared_splits(data["mlm"], 128)["train"])
+    store, tokenizer = TokenStore(Path(data["mlm"])), AutoTokenizer.from_pretrained(str(Path(data["mlm"]) / "tokenizer"))
+    apart = Indexed(StoreBlocks(store, 128, tokenizer.all_special_ids, documents=True))
+    fitted = Indexed(BestFitRows(store, 128, tokenizer.all_special_ids, tokenizer.pad_token_id))
     out = {}
-    for name, fetch in (("row by row", lambda ids: [train[i] for i in ids]), ("one call", train.__getitems__)):
+    for name, rows, fetch in (("row by row", train, lambda ids: [train[i] for i in ids]),
+                              ("one call", train, train.__getitems__),
+                              ("one call, documents apart", apart, apart.__getitems__),
+                              ("one call, best-fit rows", fitted, fitted.__getitems__)):
         times = []
         for r in range(repeats):
-            ids = [(r * 7919 + i * 104729) % len(train) for i in range(batch)]
+            ids = [(r * 7919 + i * 104729) % len(rows) for i in range(batch)]
             t0 = time.perf_counter()
             fetch(ids)
             times.append(time.perf_counter() - t0)
