@@ -461,7 +461,7 @@ def run_eval(run: Run) -> dict:
     checkpoint.metric_for_best improved."""
     engine, task = run.engine, run.cfg.task
     found = (evaluate_sources(task, engine, run.data, run.mixture) if run.mixture else
-             kind_of(task.kind).metrics(task, engine.evaluate()))
+             kind_of(task.kind).metrics(task, engine.evaluate(), run.data["eval"]))
     metrics = {"step": run.state["step"], **found}
     run.state["history"]["eval"].append(metrics)
     run.trackers.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, metrics["step"])

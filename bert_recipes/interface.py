@@ -162,8 +162,10 @@ class Task(Protocol):
         counts the batch's samples, and every other dimension has the same width on every rank (the engines gather
         them across ranks; a per-token kind pads its evaluation batches to data.max_seq_length)."""
 
-    def metrics(self, task, rows: dict) -> dict:
-        """The evaluation's metrics from every rank's rows (metrics.joined_rows), each sample once."""
+    def metrics(self, task, rows: dict, split=None) -> dict:
+        """The evaluation's metrics from every rank's rows (metrics.joined_rows), each sample once; `split`: the
+        evaluated split's model inputs, in the rows' order (question answering reads its windows' offsets and its
+        examples' contexts and answers there), or None for rows of several splits joined."""
 
     def baseline(self, task, data):
         """A score any model beats (final metrics), or None."""

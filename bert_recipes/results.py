@@ -52,7 +52,7 @@ def extra_evaluations(task: TaskConfig, engine, data) -> dict:
     out = {}
     for key in (k for k in data if k.startswith("eval:")):
         split = key.removeprefix("eval:")
-        metrics = kind_of(task.kind).metrics(task, engine.evaluate(data[key]))
+        metrics = kind_of(task.kind).metrics(task, engine.evaluate(data[key]), data[key])
         out.update({f"{split}/{k}": v for k, v in metrics.items()})
         print0(f"[eval] {split}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in metrics.items()))
@@ -68,7 +68,7 @@ def evaluate_sources(task: TaskConfig, engine, data, mixture) -> dict:
     joined = {key: np.concatenate([r[key] for r in rows.values()]) for key in next(iter(rows.values()))}
     out = metrics(task, joined)
     for name, r in rows.items():
-        out.update({f"{name}/{k}": v for k, v in metrics(task, r).items()})
+        out.update({f"{name}/{k}": v for k, v in metrics(task, r, data[f"eval@{name}"]).items()})
     return out
 
 

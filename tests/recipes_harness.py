@@ -82,6 +82,8 @@ def shrink(recipe: Path, out: Path, sample: Path, cache: Path, tokenizer: Path, 
         args["data.mixture"] = json.dumps(sources)
     elif c.data.source == "hub" and c.task.kind == "classification":
         args["data.dataset_name"] = glue
+    elif c.task.kind == "question_answering":   # SQuAD -> the sample's cloze questions, in windows that fit
+        args.update({"data.source": "sample", "data.sample_dir": sample, "data.doc_stride": 8})
     elif c.task.kind == "token_classification":   # CoNLL-2003's tags -> the sample's (bert_recipes/data/sample.py)
         from bert_recipes.data.sample import NER_TAGS
         args.update({"data.source": "sample", "data.sample_dir": sample, "task.num_labels": len(NER_TAGS),

@@ -10,7 +10,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ..modeling import ExportedAs, RecipeMaskedLM, classification_loss, document_kwargs
 
-HEAD_PREFIXES = ("cls.", "classifier.", "bert.pooler.")  # what a task may start anew; the rest is the encoder
+HEAD_PREFIXES = ("cls.", "classifier.", "bert.pooler.", "qa_outputs.")  # what a task may start anew; the rest is the encoder
 EMBEDDING_ENTRIES = 5                                     # word, position, token-type embeddings, LayerNorm w and b
 
 

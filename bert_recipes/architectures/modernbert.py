@@ -16,7 +16,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ..modeling import ExportedAs, RecipeMaskedLM, classification_loss, document_kwargs
 
-HEAD_PREFIXES = ("head.", "decoder.", "classifier.")   # what a task may start anew; the rest is the encoder
+HEAD_PREFIXES = ("head.", "decoder.", "classifier.", "qa_outputs.")   # what a task may start anew; the rest is the encoder
 EMBEDDING_ENTRIES = 2                                    # token embeddings, their LayerNorm (no bias)
 LAYOUTS = "ModernBertForMaskedLM, ModernBertModel or ModernBertForSequenceClassification"
 FRESH = {"local_attention": 128, "global_attn_every_n_layers": 3, "global_rope_theta": 160_000.0,

@@ -104,6 +104,14 @@ class TaskConfig:
     pearsonr+spearmanr (regression); mlm always reports loss and perplexity."""
     label_names: Optional[list[str]] = None
     """Optional label names, saved into the exported model config (id2label)."""
+    unanswerable: bool = False
+    """question_answering: some questions have no answer in their context (SQuAD v2.0): the null answer ([CLS])
+    competes with the best span (task.null_threshold), and the scores split HasAns / NoAns."""
+    max_answer_length: int = ranged(30, **POSITIVE, hint="tokens")
+    """question_answering: the longest answer span considered (run_qa.py's --max_answer_length)."""
+    null_threshold: float = 0.0
+    """question_answering with task.unanswerable: the empty answer wins where the null score exceeds the best span's
+    by more than this (run_qa.py's --null_score_diff_threshold)."""
 
 
 @dataclass
@@ -223,6 +231,9 @@ class DataConfig:
     text_column: str = "text"
     text_pair_column: Optional[str] = None
     """classification on sentence pairs (MRPC, MNLI, ...): the second sentence's column."""
+    doc_stride: int = ranged(128, **POSITIVE, hint="tokens")
+    """question_answering: a context longer than a window is read in several, each sharing this many tokens with the
+    one before (the tokenizer's stride, as run_qa.py passes its doc_stride); less than data.max_seq_length."""
     label_column: str = "label"
     """classification: a row's label; token_classification: a row's tags, one a word of data.text_column (a list of
     words)."""

@@ -14,6 +14,9 @@ The validation and test modules are also kept out of the pretraining corpus.
 Token classification task (named entities, BIO): the same docstrings' first paragraphs as words, each word tagged
 NAME (a name in code: a call `f()`, a dotted name, snake_case, CamelCase, a ``literal`` in reST quotes) or LITERAL
 (a number, True, False, None, a quoted string, which may span words), else O; the same split by module.
+
+Question answering task (SQuAD's layout): a cloze question on the same paragraphs, the sentence that holds the first
+NAME with it replaced by "what", answered by that name's span; the same split by module.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ SPLIT_FRACTIONS = {"train": 0.7, "validation": 0.15, "test": 0.15}
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "idlelib"}
 MIN_DOC_CHARS = 30
 MAX_DOC_CHARS = 2000
-FORMAT_VERSION = 4   # bump when the build changes, so cached copies are rebuilt
+FORMAT_VERSION = 7   # bump when the build changes, so cached copies are rebuilt
 NER_TAGS = ["O", "B-NAME", "I-NAME", "B-LITERAL", "I-LITERAL"]
 NER_MAX_WORDS = 48
 _NAME = re.compile(r"^(\w+\(\)|[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(\(\))?|[a-z][a-z0-9]*(_[a-z0-9]+)+|_\w+)$")
@@ -84,6 +87,40 @@ def _ner_row(doc: str) -> dict | None:
         tags = [t if not t.endswith("LITERAL") or w in ("True", "False", "None") or _NUMBER.match(w) else "O"
                 for w, t in zip(words, tags)]
     return {"tokens": words, "ner_tags": tags} if any(t != "O" for t in tags) and len(words) >= 4 else None
+
+
+def _qa_row(doc: str, n: str) -> dict | None:
+    """A cloze question on a docstring's first paragraph: the sentence that holds its first name in code (_ner_row's
+    NAME) with that name replaced by "what", answered by the name's span in the paragraph; None without one."""
+    row = _ner_row(doc)
+    if row is None or "B-NAME" not in row["ner_tags"]:
+        return None
+    context = re.sub(r"\s+", " ", doc.split("\n\n")[0]).strip()
+    name = row["tokens"][row["ner_tags"].index("B-NAME")]
+    start = context.find(name)
+    if start < 0:
+        return None
+    sentence_start = max(context.rfind(". ", 0, start) + 2, 0) if context.rfind(". ", 0, start) >= 0 else 0
+    sentence_end = context.find(". ", start)
+    sentence = context[sentence_start:sentence_end if sentence_end >= 0 else len(context)].rstrip(".")
+    question = sentence.replace(name, "what", 1).strip() + "?"
+    if not 4 <= len(question.split()) <= 14 or len(question) > 80:
+        return None
+    return {"id": f"qa{n}", "question": question, "context": context,
+            "answers": {"text": [name], "answer_start": [start]}}
+
+
+def _derived_tasks(out: Path, examples: dict) -> tuple[dict, dict]:
+    """The tagging (ner/) and question (qa/) files, from the classification docstrings' splits. -> their rows."""
+    ner = {split: [row for row in map(_ner_row, (r["text"] for r in rows)) if row] for split, rows in examples.items()}
+    qa = {split: [row for row in (_qa_row(r["text"], f"{split}-{n}") for n, r in enumerate(rows)) if row]
+          for split, rows in examples.items()}
+    for kind, by_split in (("ner", ner), ("qa", qa)):
+        (out / kind).mkdir(parents=True, exist_ok=True)
+        for split, rows in by_split.items():
+            (out / kind / f"{split}.jsonl").write_text(
+                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return ner, qa
 
 
 def _stdlib_files(root: Path) -> list[Path]:
@@ -143,6 +180,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
     out_dir/pretrain/{reference,docstrings}.txt   train.txt's paragraphs by kind: the language reference, docstrings
     out_dir/classify/{train,validation,test}.jsonl   {"text": ..., "label": int, "area": str}
     out_dir/ner/{train,validation,test}.jsonl   {"tokens": [words], "ner_tags": [BIO tags, NER_TAGS]}
+    out_dir/qa/{train,validation,test}.jsonl   {"id", "question", "context", "answers": {"text", "answer_start"}}
     out_dir/manifest.json   counts, label names, majority baseline, content hashes
     """
     out = Path(out_dir)
@@ -191,11 +229,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
 
     (out / "pretrain").mkdir(parents=True, exist_ok=True)
     (out / "classify").mkdir(parents=True, exist_ok=True)
-    (out / "ner").mkdir(parents=True, exist_ok=True)
-    ner = {split: [row for row in map(_ner_row, (r["text"] for r in rows)) if row] for split, rows in examples.items()}
-    for split, rows in ner.items():
-        (out / "ner" / f"{split}.jsonl").write_text(
-            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    ner, qa = _derived_tasks(out, examples)
     # the training paragraphs by kind, two sources for a data.mixture (recipes/tiny-mlm-modern.yaml)
     files = {"pretrain/train.txt": pre_train, "pretrain/validation.txt": pre_val,
              "pretrain/reference.txt": [p for p in pre_train if p in reference],
@@ -216,6 +250,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
         "pretrain_lines": {"train": len(pre_train), "validation": len(pre_val)},
         "pretrain_chars": sum(len(p) for p in pre_train),
         "classify_examples": {s: len(r) for s, r in examples.items()},
+        "qa_examples": {s: len(r) for s, r in qa.items()},
         "ner_tags": NER_TAGS,
         "ner_examples": {s: len(r) for s, r in ner.items()},
         "ner_tag_counts": {s: dict(sorted(Counter(t for r in rows for t in r["ner_tags"]).items()))
@@ -226,7 +261,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
         "majority_baseline_accuracy": {s: sum(r["label"] == majority for r in rows) / max(len(rows), 1)
                                        for s, rows in examples.items()},
         "sha256": {name: _hash((out / name).read_text(encoding="utf-8"))
-                   for name in [*files, *(f"{kind}/{s}.jsonl" for kind in ("classify", "ner") for s in examples)]},
+                   for name in [*files, *(f"{kind}/{s}.jsonl" for kind in ("classify", "ner", "qa") for s in examples)]},
     }
     tmp = manifest_path.with_suffix(".tmp")   # the manifest is written last: its presence means "complete"
     tmp.write_text(json.dumps(manifest, indent=2))

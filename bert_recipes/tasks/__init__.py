@@ -46,6 +46,10 @@ TASKS = {
                                      metrics=("f1", "precision", "recall", "accuracy"),
                                      sample=("json", "ner/{split}.jsonl", ("train", "validation", "test")),
                                      pipeline_tag="token-classification"),
+    "question_answering": TaskKind("extractive question answering (SQuAD)", masked_lm=False, labelled=True,
+                                   test_predictions=False, per_token=True, metrics=("exact_match", "f1"),
+                                   sample=("json", "qa/{split}.jsonl", ("train", "validation")),
+                                   pipeline_tag="question-answering"),
 }
 
 

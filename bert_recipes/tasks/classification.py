@@ -230,7 +230,7 @@ def eval_rows(task: TaskConfig, logits, labels, masked_positions=None) -> dict:
     return {"preds": predictions(task, logits), "refs": labels}
 
 
-def metrics(task: TaskConfig, rows: dict) -> dict[str, float]:
+def metrics(task: TaskConfig, rows: dict, split=None) -> dict[str, float]:
     """The evaluation's metrics from every rank's rows, each sample once, whatever the engine: task.metrics (else
     accuracy and F1, or Pearson and Spearman for a regression, which also reports its MSE as eval_loss)."""
     import numpy as np

@@ -243,7 +243,7 @@ def eval_rows(task: TaskConfig, logits, labels, masked_positions=None) -> dict:
     return {"loss_sums": sums, "token_counts": counts, "correct": correct}
 
 
-def metrics(task: TaskConfig, rows: dict) -> dict[str, float]:
+def metrics(task: TaskConfig, rows: dict, split=None) -> dict[str, float]:
     """The evaluation's metrics from every rank's rows, each sample once, whatever the engine: means over all
     tokens (the loss, and mlm_accuracy, the share of masked tokens predicted exactly)."""
     import numpy as np

@@ -186,7 +186,7 @@ def tag_sequences(task: TaskConfig, rows: dict) -> tuple[list[list[str]], list[l
     return predicted, reference
 
 
-def metrics(task: TaskConfig, rows: dict) -> dict[str, float]:
+def metrics(task: TaskConfig, rows: dict, split=None) -> dict[str, float]:
     """Entity-level precision, recall and F1 (seqeval's default: conlleval's chunking) and token accuracy, over
     every rank's samples once."""
     from seqeval.metrics import f1_score, precision_score, recall_score
