@@ -109,7 +109,7 @@ class TaskConfig:
     competes with the best span (task.null_threshold), and the scores split HasAns / NoAns."""
     max_answer_length: int = ranged(30, **POSITIVE, hint="tokens")
     """question_answering: the longest answer span considered (run_qa.py's --max_answer_length)."""
-    null_threshold: float = 0.0
+    null_threshold: float = ranged(0.0, low=-100, high=100, hint="a margin of start + end logits")
     """question_answering with task.unanswerable: the empty answer wins where the null score exceeds the best span's
     by more than this (run_qa.py's --null_score_diff_threshold)."""
 
