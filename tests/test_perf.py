@@ -190,3 +190,13 @@ def test_modernbert_flops_per_token_match_torch_flop_counter(window):
     assert flops_per_token(config, seq, 1.0) == pytest.approx(counted - 3 * 4 * unseen * hidden)
     if window == 64:
         assert unseen == 0
+
+
+def test_a_window_shorter_than_a_second_is_not_judged():
+    """The data loader's verdict waits for a window of a second: a 3-step run of 11 ms steps is its first batches
+    and the host's jitter (the demo's shrunk run warned once so); the same share over 2 s is called out."""
+    from bert_recipes.throughput import DataLoaderWatch
+    watch = DataLoaderWatch()
+    assert watch.verdict(0.5, 3, 0.1) == (0.5, None)
+    share, said = watch.verdict(0.5, 3, 2.0)
+    assert share == 0.5 and said.startswith("[data] WARNING: the data loader is starving the model: 50% of the last 3")
