@@ -59,7 +59,8 @@ from bert_recipes.optim import (build_optimizer, build_scheduler, describe_decay
                                 total_norm)
 from bert_recipes.preflight import preflight
 from bert_recipes.ranks import all_sum, broadcast, on_any_rank, on_nodes, on_rank0, print0
-from bert_recipes.results import evaluate_sources, extra_evaluations, keep_best, restore_best, write_predictions
+from bert_recipes.results import (evaluate_sources, extra_evaluations, keep_best, restore_best, write_answer_files,
+                                  write_predictions)
 from bert_recipes.run_dir import check_shared_output_dir, holding_output_dir, start_writing
 from bert_recipes.signals import INTERRUPTION, Preemption, StopAgreement
 from bert_recipes.sync_audit import SyncAudit
@@ -102,6 +103,7 @@ class Run:
     audit: SyncAudit | None = None   # logging.sync_audit
     sampler: Any = None              # logging.gpu_sampler on GPUs (bert_recipes/doctor/nvml.Sampler)
     batch_shapes: set = field(default_factory=set)   # every (batch, length) this rank fed the model
+    eval_rows: tuple | None = None   # (step, rows) of the last evaluation: a kind's answer files at the end
 
 
 def main(cfg: Config) -> dict:
@@ -460,8 +462,12 @@ def run_eval(run: Run) -> dict:
     """Evaluate now (data.mixture: each source, and all together); keep the state apart when
     checkpoint.metric_for_best improved."""
     engine, task = run.engine, run.cfg.task
-    found = (evaluate_sources(task, engine, run.data, run.mixture) if run.mixture else
-             kind_of(task.kind).metrics(task, engine.evaluate(), run.data["eval"]))
+    if run.mixture:
+        found = evaluate_sources(task, engine, run.data, run.mixture)
+    else:
+        rows = engine.evaluate()
+        found = kind_of(task.kind).metrics(task, rows, run.data["eval"])
+        run.eval_rows = (run.state["step"], rows)   # the last evaluation's, for the answer files at the end
     metrics = {"step": run.state["step"], **found}
     run.state["history"]["eval"].append(metrics)
     run.trackers.log({f"eval/{k}": v for k, v in metrics.items() if k != "step"}, metrics["step"])
@@ -515,6 +521,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
     final = restore_best(engine, state, run.output_dir) or final    # checkpoint.metric_for_best
     final = {**final, **extra_evaluations(cfg.task, engine, run.data)}   # data.extra_eval_splits
     write_predictions(cfg.task, engine, run.data, run.test_index, run.output_dir)   # data.test_splits
+    if cfg.train.eval_final:   # SQuAD's predictions.json: from this run's last evaluation when it is the final one
+        last = run.eval_rows if run.eval_rows and run.eval_rows[0] == final.get("step") == state["step"] else None
+        write_answer_files(cfg.task, engine, run.data["eval"], last and last[1], run.output_dir)
     train_rows = state["history"]["train"]
     predicted = run.predicted_peak_gb
     final = {**final, "steps": state["step"],

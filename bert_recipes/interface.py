@@ -124,7 +124,7 @@ class Task(Protocol):
     """A task kind: the module bert_recipes/tasks/<kind>.py (tasks.kind_of(task.kind)), its functions taking the
     task section (`task`) and what they read. train.py, the data, the model builder and the engines call these and
     never test task.kind; what config validation needs of a kind is its row's data (tasks.TASKS). A kind whose row
-    has test_predictions also gives `TestPredictions`. tests/test_interface.py checks every row's module against
+    has test_predictions also gives `TestPredictions`, one with answer_files `AnswerFiles`. tests/test_interface.py checks every row's module against
     both, parameter by parameter."""
 
     # ------------------------------------------------------------ data
@@ -183,3 +183,11 @@ class TestPredictions(Protocol):
 
     def prediction_text(self, task, preds) -> list[str]:
         """A split's predictions as its submission file writes them (results.write_predictions)."""
+
+
+@runtime_checkable
+class AnswerFiles(Protocol):
+    """What a kind whose row has answer_files also gives: its final evaluation's answers as files."""
+
+    def answer_files(self, task, rows: dict, split) -> dict:
+        """{file name: JSON object} from an evaluation's rows and the evaluated split (results.write_answer_files)."""

@@ -1,14 +1,16 @@
 """What a run delivers besides its last state: the best evaluation kept apart, evaluations of further splits and
-of a mixture's sources, and test-set predictions in a submission format (the export and its upload to the Hub:
+of a mixture's sources, test-set predictions in a submission format and the final evaluation's answers in the task's
+own files (the export and its upload to the Hub:
 bert_recipes/export.py).
 Each takes the engine (bert_recipes/engine.py), so it works on every backend."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .checkpoint import checkpoint_root, save_checkpoint
 from .config import CheckpointConfig, TaskConfig
-from .tasks import kind_of
+from .tasks import TASKS, kind_of
 from .ranks import barrier, print0
 
 BEST = "best"
@@ -70,6 +72,25 @@ def evaluate_sources(task: TaskConfig, engine, data, mixture) -> dict:
     for name, r in rows.items():
         out.update({f"{name}/{k}": v for k, v in metrics(task, r, data[f"eval@{name}"]).items()})
     return out
+
+
+def write_answer_files(task: TaskConfig, engine, split, rows: dict | None, output_dir: Path) -> list[Path]:
+    """A kind whose row has answer_files (question answering): the final evaluation's answers, as its kind writes them,
+    into output_dir (SQuAD: predictions.json, and null_odds.json with unanswerable questions, as the official
+    evaluation scripts read them). rows: that evaluation's, or None: evaluate the model now (the best state was
+    restored, or the run ended on an evaluation made before a resume). Collective."""
+    if not TASKS[task.kind].answer_files:
+        return []
+    rows = engine.evaluate() if rows is None else rows
+    written = []
+    if engine.is_main:
+        for name, answers in kind_of(task.kind).answer_files(task, rows, split).items():
+            path = output_dir / name
+            path.write_text(json.dumps(answers, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            written.append(path)
+        print0("[predict] the final evaluation's answers -> " + ", ".join(str(p) for p in written))
+    barrier()
+    return written
 
 
 def write_predictions(task: TaskConfig, engine, data, test_index: dict, output_dir: Path) -> list[Path]:

@@ -405,6 +405,41 @@ def backend_rows():
     return rows()
 
 
+# The rows a feature runs on, from accelerate_configs/backends.tsv by their launch files: one row of each engine kind
+# and ZeRO stage on one node, plus the first row that offloads to the host (an NVMe row runs in
+# tests/test_backends.py). DDP's run is the reference; every other row's losses are DDP's within a test's TOL (fp32,
+# dropout off; the gaps measured on CPU were below 1e-6).
+ENGAGED = {"ddp": "DistributedType.MULTI_CPU", "fsdp": "DistributedType.FSDP", "deepspeed": "DistributedType.DEEPSPEED"}
+
+
+def feature_rows() -> list[str]:
+    from bert_recipes.backends.plan import first_row
+    return [first_row("ddp"), first_row("fsdp"), *(first_row("deepspeed", stage) for stage in (1, 2, 3)),
+            first_row("deepspeed", offload="cpu")]
+
+
+def runs_by_row(root: Path, args):
+    """run(name) -> the metrics.json of args(output_dir) launched on 2 processes under the backend row `name`, each
+    row once (a module-scoped fixture shares it between the rows' tests)."""
+    done = {}
+
+    def run(name: str) -> dict:
+        if name not in done:
+            done[name] = launch(2, args(root / name), backend=name)
+        return done[name]
+    return run
+
+
+def assert_row_is_ddp(name: str, ours: dict, ddp: dict, tol: float):
+    """A row's run: 2 processes, its backend engaged, its losses learning and DDP's within tol, step for step."""
+    final, rows = ours["final"], ours["history"]["train"]
+    kind = backend_rows()[name].plan.kind
+    assert final["num_processes"] == 2 and final["backend"]["distributed_type"] == ENGAGED[kind], (name, final)
+    assert rows[-1]["loss"] < rows[0]["loss"], rows
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, ddp["history"]["train"])]
+    assert len(gaps) == len(ddp["history"]["train"]) and max(gaps) < tol, (name, gaps)
+
+
 def _port() -> int:
     import socket
     with socket.socket() as s:

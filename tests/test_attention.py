@@ -13,10 +13,9 @@ import torch
 
 from bert_recipes.architectures import ARCHITECTURES as TABLE, module
 from bert_recipes.attention import block_mask, choose_path, cu_seqlens, positions_within
-from bert_recipes.backends.plan import first_row
 from bert_recipes.config import ModelConfig, TaskConfig
 from bert_recipes.models import build_model, model_config
-from conftest import backend_rows, launch, refused_in_process, run_in_process, tiny_args
+from conftest import assert_row_is_ddp, backend_rows, feature_rows, launch, refused_in_process, run_in_process, tiny_args
 
 TOL = 1e-5   # fp32, dropout off: the measured gaps are about 1e-7
 
@@ -223,16 +222,10 @@ def common(shared_tokenizer, **extra):
             "logging.log_every": 4, **extra}
 
 
-# The rows these features run on, from accelerate_configs/backends.tsv by their launch files: one row of each engine
-# kind and ZeRO stage on one node, plus the first row that offloads to the host (an NVMe row runs in
-# tests/test_backends.py); the pipeline refuses them in one line (test_bad_combinations_are_one_line; best-fit needs
-# document masks).
-# DDP's runs are the reference; every other row's losses are DDP's within TOL (fp32, dropout off; the gaps measured
-# on CPU were below 1e-6).
+# The rows these features run on: conftest.feature_rows (the pipeline refuses them in one line:
+# test_bad_combinations_are_one_line; best-fit needs document masks).
 PLANS = {name: row.plan for name, row in backend_rows().items()}
-ROWS = [first_row("ddp"), first_row("fsdp"), *(first_row("deepspeed", stage) for stage in (1, 2, 3)),
-        first_row("deepspeed", offload="cpu")]
-ENGAGED = {"ddp": "DistributedType.MULTI_CPU", "fsdp": "DistributedType.FSDP", "deepspeed": "DistributedType.DEEPSPEED"}
+ROWS = feature_rows()
 
 
 @pytest.fixture(scope="module")
@@ -272,17 +265,13 @@ def test_documents_apart_and_unpadded_batches_match_ddp_on_every_row(backend, ca
     (data.packing: best_fit: its padding not counted as tokens), and fine-tuning with length-grouped unpadded batches
     (no padding counted); each learns, and its losses are DDP's within TOL."""
     ours, ref = pad_free(backend, case), pad_free("ddp", case)
-    final = ours["final"]
-    assert final["num_processes"] == 2 and final["backend"]["distributed_type"] == ENGAGED[PLANS[backend].kind], final
-    rows = ours["history"]["train"]
-    assert rows[-1]["loss"] < rows[0]["loss"], rows
+    assert_row_is_ddp(backend, ours, ref, TOL)
+    final, rows = ours["final"], ours["history"]["train"]
     if case == "unpad":
         assert all(r["padded_tokens_per_sec"] == pytest.approx(r["tokens_per_sec"]) for r in rows)   # no padding
     if case == "best_fit":
         assert all(r["tokens_per_sec"] < r["padded_tokens_per_sec"] for r in rows)   # the rows' tails, not counted
         assert final["eval_samples"] == final["eval_dataset_size"]
-    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, ref["history"]["train"])]
-    assert len(gaps) == len(ref["history"]["train"]) and max(gaps) < TOL, gaps
     (evaluated,), (reference,) = ours["history"]["eval"], ref["history"]["eval"]
     if case != "unpad":
         assert abs(evaluated["eval_loss"] - reference["eval_loss"]) < TOL, (evaluated, reference)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import REPO, launch, refused_in_process, run_in_process, tiny_args
@@ -37,6 +38,29 @@ def run_tool(argv: list[str]) -> int:
 FINE_TUNE = ["--train.epochs=null", "--train.max_steps=6", "--data.max_train_samples=256", "--data.max_eval_samples=96",
              "--train.eval_every=null", "--logging.trackers=[]", "--logging.plot=false", "--checkpoint.save_every=null",
              "--model.max_position_embeddings=64", "--data.max_seq_length=32"]
+
+
+QUESTIONS = ["--data.max_seq_length=64", "--data.doc_stride=8"]   # FINE_TUNE's 32 tokens hold no sample question
+
+
+@pytest.mark.parametrize("recipe, metric, more", [("tiny-ner.yaml", "f1", []),
+                                                  ("tiny-squad.yaml", "exact_match", QUESTIONS)],
+                         ids=["token_classification", "question_answering"])
+def test_the_tagger_and_the_answerer_score_a_pretraining(recipe, metric, more, tmp_path, sample_dir, datasets_cache,
+                                                         shared_tokenizer, capsys):
+    """checkpoint.downstream=recipes/tiny-ner.yaml or tiny-squad.yaml: make downstream fine-tunes the pretraining's
+    step-4 export as a tagger or a span head and records its score (the recipe's first metric: entity F1, exact
+    match) by pretraining step."""
+    run = tmp_path / "pretrain"
+    run_in_process(tiny_args(run, sample_dir, datasets_cache, **{
+        "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 4, "checkpoint.save_every": 4,
+        "model.max_position_embeddings": 128, "checkpoint.downstream": REPO / "recipes" / recipe}))
+    common = [f"--data.sample_dir={sample_dir}", f"--data.cache_dir={datasets_cache}"]
+    assert run_tool([str(run), "--", *common, *FINE_TUNE, *more]) == 0
+    (row,) = json.loads((run / "metrics.json").read_text())["history"]["downstream"]
+    assert row["step"] == 4 and row["metric"] == metric and row["value"] >= 0
+    finetune = json.loads((run / "downstream/step_00000004/finetune/metrics.json").read_text())["final"]
+    assert finetune[metric] == row["value"] and finetune["eval_samples"] > 0
 
 
 def test_each_checkpoint_gets_its_downstream_score(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):

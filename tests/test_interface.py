@@ -347,15 +347,15 @@ def contract_functions(protocol) -> list[str]:
 
 def test_every_task_kind_gives_the_contract_with_its_parameters():
     """Each row of tasks.TASKS has its file, and the file every function of interface.Task (and TestPredictions where
-    its row writes test predictions), with the contract's parameters."""
-    from bert_recipes.interface import Task, TestPredictions
+    its row writes test predictions, AnswerFiles where it writes answer files), with the contract's parameters."""
+    from bert_recipes.interface import AnswerFiles, Task, TestPredictions
     from bert_recipes.tasks import TASKS, kind_of
     assert set(TASKS) >= {"mlm", "classification"}
     for kind, row in TASKS.items():
         module = kind_of(kind)
-        for protocol in (Task, TestPredictions) if row.test_predictions else (Task,):
+        for protocol in (Task, *[TestPredictions] * row.test_predictions, *[AnswerFiles] * row.answer_files):
             names = contract_functions(protocol)
-            assert len(names) >= 2
+            assert names
             for name in names:
                 assert hasattr(module, name), (kind, name)
                 ours = list(inspect.signature(getattr(protocol, name)).parameters)[1:]   # less self

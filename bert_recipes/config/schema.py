@@ -486,7 +486,8 @@ class CheckpointConfig:
     metric_for_best: Optional[str] = None
     """An evaluation metric (accuracy, f1, matthews_correlation, pearsonr, spearmanr, eval_loss, ...):
     the state of the best evaluation is kept in checkpoints/best, apart from the rotation, and the
-    export, the final metrics and the test predictions come from it. None: from the last step."""
+    export, the final metrics, the test predictions and SQuAD's answer files come from it. None: from the last
+    step."""
     push_to_hub: bool = False
     """Upload the export (with its model card) to the Hugging Face Hub at the end (needs
     checkpoint.hub_model_id and a login: huggingface-cli login, or HF_TOKEN)."""

@@ -19,6 +19,8 @@ class TaskKind:
       its own tokenizer; the planner and the MFU count its vocabulary head;
     labelled: each row has a label (data.label_column, task.num_labels, task.label_names);
     test_predictions: data.test_splits writes its predictions (a submission file);
+    answer_files: the final evaluation also writes its answers in the task's own files (SQuAD's predictions.json
+      and null_odds.json), as `AnswerFiles` gives them;
     per_token: its head scores every token (token classification), not one a sequence: the planner's count;
     metrics: the evaluation's metric names (None: task.metrics, or its defaults by task.num_labels);
     sample: the embedded sample's files it trains on: (datasets builder, path under data.sample_dir with {split},
@@ -28,6 +30,7 @@ class TaskKind:
     masked_lm: bool
     labelled: bool
     test_predictions: bool
+    answer_files: bool
     per_token: bool
     metrics: tuple[str, ...] | None
     sample: tuple[str, str, tuple[str, ...]] | None
@@ -36,18 +39,20 @@ class TaskKind:
 
 TASKS = {
     "mlm": TaskKind("masked-language-model pretraining", masked_lm=True, labelled=False, test_predictions=False,
-                    per_token=True, metrics=("eval_loss", "perplexity", "mlm_accuracy"),
+                    answer_files=False, per_token=True, metrics=("eval_loss", "perplexity", "mlm_accuracy"),
                     sample=("text", "pretrain/{split}.txt", ("train", "validation")), pipeline_tag="fill-mask"),
     "classification": TaskKind("sequence classification", masked_lm=False, labelled=True, test_predictions=True,
-                               per_token=False, metrics=None, sample=("json", "classify/{split}.jsonl", ("train", "validation", "test")),
+                               answer_files=False, per_token=False, metrics=None,
+                               sample=("json", "classify/{split}.jsonl", ("train", "validation", "test")),
                                pipeline_tag="text-classification"),
     "token_classification": TaskKind("token classification (named entities, BIO tags)", masked_lm=False,
-                                     labelled=True, test_predictions=False, per_token=True,
-                                     metrics=("f1", "precision", "recall", "accuracy"),
+                                     labelled=True, test_predictions=False, answer_files=False,
+                                     per_token=True, metrics=("f1", "precision", "recall", "accuracy"),
                                      sample=("json", "ner/{split}.jsonl", ("train", "validation", "test")),
                                      pipeline_tag="token-classification"),
     "question_answering": TaskKind("extractive question answering (SQuAD)", masked_lm=False, labelled=True,
-                                   test_predictions=False, per_token=True, metrics=("exact_match", "f1"),
+                                   test_predictions=False, answer_files=True, per_token=True,
+                                   metrics=("exact_match", "f1"),
                                    sample=("json", "qa/{split}.jsonl", ("train", "validation")),
                                    pipeline_tag="question-answering"),
 }

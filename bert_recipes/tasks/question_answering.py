@@ -174,12 +174,12 @@ def span_logits(model):
 
 
 class AutoSpanHead:
-    """transformers' span head of the config's model type as SpanLogits: cls(config) fresh, from_pretrained a
-    checkpoint's."""
+    """transformers' span head of the config's model type as SpanLogits: cls(config) fresh (built as the token
+    classifier's is: tasks/token_classification.AutoTokenClassifier), from_pretrained a checkpoint's."""
 
     def __new__(cls, config):
-        from transformers import AutoModelForQuestionAnswering
-        return span_logits(AutoModelForQuestionAnswering.from_config(config))
+        from transformers import MODEL_FOR_QUESTION_ANSWERING_MAPPING
+        return span_logits(MODEL_FOR_QUESTION_ANSWERING_MAPPING[type(config)](config))
 
     @staticmethod
     def from_pretrained(*args, **kwargs):
@@ -215,9 +215,24 @@ def eval_rows(task: TaskConfig, logits, labels, masked_positions=None) -> dict:
 def metrics(task: TaskConfig, rows: dict, split=None) -> dict[str, float]:
     """Each example's answer from its windows' logits (run_qa.py's post-processing) and exact match and F1 over the
     examples (the official SQuAD script's; v2.0 also HasAns / NoAns). Needs the split the rows are of."""
-    from ..metrics.squad import answers, scores
+    from ..metrics.squad import scores
+    found, _, golds = answered(task, rows, split)
+    return {**scores(found, golds), "eval_samples": len(golds)}
+
+
+def answer_files(task: TaskConfig, rows: dict, split) -> dict[str, dict]:
+    """The evaluation's answers as SQuAD's official evaluation scripts read them: predictions.json ({id: text}) and,
+    with unanswerable questions, null_odds.json ({id: the null answer's score minus the best span's}: v2.0's
+    --na-prob-file)."""
+    found, null_odds, _ = answered(task, rows, split)
+    return {"predictions.json": found, **({"null_odds.json": null_odds} if task.unanswerable else {})}
+
+
+def answered(task: TaskConfig, rows: dict, split) -> tuple[dict, dict | None, dict]:
+    """-> each example's answer, its null odds (v2.0) and its gold answers, from the rows of `split`'s windows."""
+    from ..metrics.squad import answers
     if split is None:
-        raise ValueError("question answering's metrics read the evaluated split's windows")
+        raise ValueError("question answering's answers read the evaluated split's windows")
     windows = [int(w) for w in rows["window"]]
     columns = split.select(windows).select_columns(["example_id", "offset_mapping", "context", "gold"])
     features = [{"example_id": r["example_id"], "offset_mapping": r["offset_mapping"]} for r in columns]
@@ -227,9 +242,9 @@ def metrics(task: TaskConfig, rows: dict, split=None) -> dict[str, float]:
             examples["id"].append(r["example_id"])
             examples["context"].append(r["context"])
             golds[r["example_id"]] = r["gold"]
-    found, _ = answers(examples, features, rows["start"], rows["end"], with_negative=task.unanswerable,
-                       max_answer_length=task.max_answer_length, null_threshold=task.null_threshold)
-    return {**scores(found, golds), "eval_samples": len(golds)}
+    found, null_odds = answers(examples, features, rows["start"], rows["end"], with_negative=task.unanswerable,
+                               max_answer_length=task.max_answer_length, null_threshold=task.null_threshold)
+    return found, null_odds, golds
 
 
 def baseline(task: TaskConfig, data) -> float | None:

@@ -143,11 +143,13 @@ def config_fields(task: TaskConfig) -> dict:
 
 class AutoTokenClassifier:
     """transformers' token classifier of the config's model type: cls(config) a fresh one, from_pretrained a
-    checkpoint's (BertForTokenClassification, ModernBertForTokenClassification, ...)."""
+    checkpoint's (BertForTokenClassification, ModernBertForTokenClassification, ...). A fresh one is built as the
+    architectures build theirs, not by from_config: under ZeRO-3 that draws its weights inside zero.Init, other
+    numbers than every other backend's."""
 
     def __new__(cls, config):
-        from transformers import AutoModelForTokenClassification
-        return AutoModelForTokenClassification.from_config(config)
+        from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+        return MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING[type(config)](config)
 
     @staticmethod
     def from_pretrained(*args, **kwargs):
