@@ -55,6 +55,21 @@ def test_a_words_tag_lands_on_its_first_sub_token(shared_tokenizer):
         assert labels == expected + [-100]
 
 
+def test_the_sample_tags_need_no_capitals(sample_dir):
+    """The sample's NAME words show their kind in what an uncased WordPiece sees (a call's parentheses, a dot, an
+    underscore, reST's ``quotes``): a CamelCase class name, which only its capitals mark, is O. Control: such names
+    are in the paragraphs (the question-answering task's answers hold them)."""
+    import re
+    for split in ("train", "validation", "test"):
+        for row in map(json.loads, (sample_dir / f"ner/{split}.jsonl").open()):
+            words = row["tokens"]
+            for k, (word, tag) in enumerate(zip(words, row["ner_tags"])):
+                if tag == "B-NAME":
+                    assert re.search(r"[(._]", word) or k and words[k - 1] == "`", (word, words)
+    answers = [r["answers"]["text"][0] for r in map(json.loads, (sample_dir / "qa/train.jsonl").open())]
+    assert sum(a.isalnum() and sum(map(str.isupper, a)) >= 2 for a in answers) >= 20
+
+
 def test_entity_f1_is_seqevals_not_the_token_score():
     """Reference: two entities (NAME at 0; LITERAL over 2-3). The prediction finds NAME and half of LITERAL: one
     entity right of two predicted and two true, F1 0.5 (conlleval counts a partial span as wrong), while 3 of 4
@@ -105,6 +120,28 @@ def test_the_sample_tagger_trains_resumes_on_another_count_and_exports(tmp_path,
     assert_same_weights(ddp_dir / "model/model.safetensors", tmp_path / "split/model/model.safetensors", TOL)
     model = AutoModelForTokenClassification.from_pretrained(ddp_dir / "model")
     assert type(model).__name__ == "BertForTokenClassification" and model.config.id2label[1] == "B-NAME"
+
+
+def test_prepared_tags_serve_only_the_labelling_they_were_made_with(tmp_path, sample_dir, datasets_cache,
+                                                                     shared_tokenizer, capsys):
+    """make prepare's tokenized tagger data records data.label_all_tokens: a run that labels otherwise is one line
+    naming it (its labels would be the other rule's), and nothing is written; the same labelling trains on it."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    args = ner_args(tmp_path / "run", sample_dir, datasets_cache, shared_tokenizer, **{"train.max_steps": 2,
+                                                                                        "train.eval_every": "null"})
+    prepared = tmp_path / "prepared"
+    proc = subprocess.run([sys.executable, "tools/prepare.py", "--recipe", str(REPO / "recipes/tiny-ner.yaml"),
+                           "--out", str(prepared), *[f"--{a}" for a in args]], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    use = [f"--{a}" for a in args] + ["--data.source=prepared", f"--data.prepared_dir={prepared}"]
+    said = refused_in_process(use + ["--data.label_all_tokens=true"], tmp_path / "run", capsys)
+    assert "was prepared with other settings (data.label_all_tokens: prepared False, this run True)" in said
+    assert run_in_process([a[2:] for a in use])["steps"] == 2
 
 
 def test_the_pipeline_and_bad_values_are_one_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):

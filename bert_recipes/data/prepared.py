@@ -15,7 +15,7 @@ PREPARED_META = "prepared.json"
 
 
 # Keys of the prepared signature that came later, with what data prepared before them holds
-SIGNATURE_BEFORE = {"data.document_mask": False}
+SIGNATURE_BEFORE = {"data.document_mask": False, "data.doc_stride": 128, "data.label_all_tokens": False}
 
 
 def prepared_signature(data: DataConfig, task: TaskConfig, tok: TokenizerConfig, model_name_or_path: str | None) -> dict:
@@ -26,7 +26,8 @@ def prepared_signature(data: DataConfig, task: TaskConfig, tok: TokenizerConfig,
             "tokenizer": tokenizer_identity(named),
             "tokenizer.vocab_size": tok.vocab_size if not named else None,
             **{f"data.{k}": getattr(data, k) for k in (
-                "max_seq_length", "packing", "document_mask", "text_column", "text_pair_column", "label_column",
+                "max_seq_length", "packing", "document_mask", "doc_stride", "label_all_tokens", "text_column",
+                "text_pair_column", "label_column",
                 "train_split", "eval_split",
                 "extra_eval_splits", "test_splits", "max_train_samples", "max_eval_samples",
                 "validation_split_percentage")}}

@@ -12,8 +12,9 @@ duplicates (overloads, subclasses restating their parent) cannot leak across spl
 The validation and test modules are also kept out of the pretraining corpus.
 
 Token classification task (named entities, BIO): the same docstrings' first paragraphs as words, each word tagged
-NAME (a name in code: a call `f()`, a dotted name, snake_case, CamelCase, a ``literal`` in reST quotes) or LITERAL
-(a number, True, False, None, a quoted string, which may span words), else O; the same split by module.
+NAME (a name in code: a call `f()`, a dotted name, snake_case, a ``literal`` in reST quotes) or LITERAL (a number,
+True, False, None, a quoted string, which may span words), else O; the same split by module. Every tag can be told
+from what an uncased WordPiece sees (a CamelCase class name, which only its capitals mark, is O).
 
 Question answering task (SQuAD's layout): a cloze question on the same paragraphs, the sentence that holds the first
 NAME with it replaced by "what", answered by that name's span; the same split by module.
@@ -45,7 +46,7 @@ SPLIT_FRACTIONS = {"train": 0.7, "validation": 0.15, "test": 0.15}
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "idlelib"}
 MIN_DOC_CHARS = 30
 MAX_DOC_CHARS = 2000
-FORMAT_VERSION = 7   # bump when the build changes, so cached copies are rebuilt
+FORMAT_VERSION = 8   # bump when the build changes, so cached copies are rebuilt
 NER_TAGS = ["O", "B-NAME", "I-NAME", "B-LITERAL", "I-LITERAL"]
 NER_MAX_WORDS = 48
 _NAME = re.compile(r"^(\w+\(\)|[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(\(\))?|[a-z][a-z0-9]*(_[a-z0-9]+)+|_\w+)$")
@@ -60,6 +61,12 @@ def _camel(word: str) -> bool:
 def _ner_row(doc: str) -> dict | None:
     """A docstring's first paragraph as words with BIO tags (NER_TAGS): punctuation split off a word's ends, reST's
     ``...`` quotes and a quoted string's quotes kept as words of their own; None for a paragraph without entities."""
+    row = _tagged(doc)
+    return row if row and any(t != "O" for t in row["ner_tags"]) else None
+
+
+def _tagged(doc: str) -> dict | None:
+    """_ner_row's words and tags, entities or not; None under 4 words."""
     text = re.sub(r"\s+", " ", doc.split("\n\n")[0]).strip()
     words, tags, quote = [], [], None
     for raw in text.split(" ")[:NER_MAX_WORDS]:
@@ -79,24 +86,26 @@ def _ner_row(doc: str) -> dict | None:
                 quote = piece
             elif piece in ("True", "False", "None") or _NUMBER.match(piece):
                 tags.append("B-LITERAL")
-            elif piece == core and (_NAME.match(piece) or _camel(piece) or lead.endswith("``") and piece.isidentifier()):
+            elif piece == core and (_NAME.match(piece) or lead.endswith("``") and piece.isidentifier()):
                 tags.append("B-NAME")
             else:
                 tags.append("O")
     if quote is not None:   # an unclosed quote: its words are not a literal
         tags = [t if not t.endswith("LITERAL") or w in ("True", "False", "None") or _NUMBER.match(w) else "O"
                 for w, t in zip(words, tags)]
-    return {"tokens": words, "ner_tags": tags} if any(t != "O" for t in tags) and len(words) >= 4 else None
+    return {"tokens": words, "ner_tags": tags} if len(words) >= 4 else None
 
 
 def _qa_row(doc: str, n: str) -> dict | None:
     """A cloze question on a docstring's first paragraph: the sentence that holds its first name in code (_ner_row's
-    NAME) with that name replaced by "what", answered by the name's span in the paragraph; None without one."""
-    row = _ner_row(doc)
-    if row is None or "B-NAME" not in row["ner_tags"]:
+    NAME, or a CamelCase class name: a span to find needs no capitals to be seen) with that name replaced by "what",
+    answered by the name's span in the paragraph; None without one."""
+    row = _tagged(doc)
+    names = [w for w, t in zip(row["tokens"], row["ner_tags"]) if t == "B-NAME" or t == "O" and _camel(w)] if row else []
+    if not names:
         return None
     context = re.sub(r"\s+", " ", doc.split("\n\n")[0]).strip()
-    name = row["tokens"][row["ner_tags"].index("B-NAME")]
+    name = names[0]
     start = context.find(name)
     if start < 0:
         return None
