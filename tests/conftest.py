@@ -295,6 +295,20 @@ def write_pairs(path: Path, n: int, seed: int) -> Path:
     return path
 
 
+def tiny_encoder(out: Path, tokenizer_dir: Path, dropout: float = 0.1) -> Path:
+    """A seeded tiny BERT encoder (hidden 32, 2 layers, sequence 64) with its tokenizer, in an export's layout."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+                                 hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def run_in_process(overrides: list[str], recipe: str | None = None) -> dict:
     """Run train.main in this process (one process); Accelerate's singletons are reset around it."""
     import train

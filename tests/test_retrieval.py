@@ -13,18 +13,7 @@ import torch
 
 from bert_recipes.embeddings import POOLING, pool, write_sentence_transformer
 from bert_recipes.metrics.retrieval import read_beir, scores
-
-
-def tiny_encoder(out: Path, tokenizer_dir: Path) -> Path:
-    """A seeded tiny BERT encoder (hidden 32, 2 layers) with its tokenizer: a model export's layout."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                 intermediate_size=64, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id))
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+from conftest import tiny_encoder
 
 
 def beir_folder(out: Path, sample_dir: Path) -> Path:

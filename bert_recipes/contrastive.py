@@ -1,0 +1,77 @@
+"""The contrastive loss of retrieval, and its step over a whole global batch (GradCache).
+
+`in_batch_loss`: sentence-transformers' MultipleNegativesRankingLoss (its default: query to document, one softmax):
+each query's cosine similarity to every candidate (every positive of the batch, then every hard negative) times the
+scale (1 / temperature), cross-entropy towards its own positive, the mean over the queries.
+
+`cached_step`: the loss over every micro batch of a step on every rank at once, and its gradient, in the memory of one
+micro batch (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup";
+sentence-transformers' CachedMultipleNegativesRankingLoss with gather_across_devices=True does the same):
+1. each micro batch embedded without a graph, the random state before it kept;
+2. the embeddings of every rank gathered; the loss over the global batch, and its gradient with respect to each
+   embedding (every rank computes the same loss; each keeps its own rows' gradients);
+3. each micro batch embedded again from its kept random state (the same dropout), and the kept gradients pushed
+   through it: backward(sum(embedding * gradient)).
+So the loss, and the parameters' gradient summed over the ranks, are those of one forward over the global batch,
+whatever the process count and the accumulation. The caller's backward averages over ranks and micro batches (DDP,
+DeepSpeed, Accelerate's accumulation); `scale_back` undoes that average."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def in_batch_loss(queries: torch.Tensor, documents: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """queries [n, h]; documents: the positives [n, h], then any hard negatives [n, h] each (row i is query i's)."""
+    candidates = torch.cat(list(documents), dim=0)
+    scores = F.normalize(queries.float(), p=2, dim=1) @ F.normalize(candidates.float(), p=2, dim=1).T * scale
+    return F.cross_entropy(scores, torch.arange(len(queries), device=queries.device))
+
+
+@contextmanager
+def replayed(state: dict | None):
+    """Run the block from a kept random state (CPU and every CUDA device), or keep the state it starts from when
+    `state` is an empty dict: dropout draws the same masks the second time."""
+    if state:
+        torch.set_rng_state(state["cpu"])
+        if state["cuda"] is not None:
+            torch.cuda.set_rng_state_all(state["cuda"])
+    elif state is not None:
+        state["cpu"] = torch.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    yield
+
+
+def cached_step(embed: Callable[[dict], torch.Tensor], micro_batches: Sequence[Sequence[dict]], scale: float,
+                backward: Callable[[torch.Tensor], None], gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                rank: int = 0, scale_back: float = 1.0) -> torch.Tensor:
+    """micro_batches: this rank's micro batches of the step, each a list of columns' model inputs (the queries, the
+    positives, then any hard negatives); embed(inputs) -> [rows, h]. gather: every rank's rows of a tensor in rank
+    order (all_gather), None on one process; `rank` places this rank's rows in it. backward(tensor): the caller's
+    backward of one micro batch (the engine's, averaging as it does); scale_back: what that average divides by
+    (micro batches x ranks). -> the global batch's loss (detached), the same on every rank."""
+    states, columns = [], None
+    for batch in micro_batches:
+        state: dict = {}
+        with torch.no_grad(), replayed(state):
+            embedded = [embed(inputs) for inputs in batch]
+        states.append(state)
+        columns = [[e] for e in embedded] if columns is None else [c + [e] for c, e in zip(columns, embedded)]
+    local = [torch.cat(c) for c in columns]
+    everyone = [gather(c) for c in local] if gather else local
+    leaves = [c.detach().requires_grad_() for c in everyone]
+    loss = in_batch_loss(leaves[0], leaves[1:], scale)
+    loss.backward()
+    start = rank * len(local[0])
+    grads = [leaf.grad[start:start + len(local[0])] for leaf in leaves]
+    at = 0
+    for batch, state in zip(micro_batches, states):
+        rows = len(next(iter(batch[0].values())))
+        with replayed(state):
+            surrogate = sum((embed(inputs) * g[at:at + rows]).sum() for inputs, g in zip(batch, grads))
+        backward(surrogate * scale_back)
+        at += rows
+    return loss.detach()
