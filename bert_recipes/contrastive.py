@@ -14,11 +14,14 @@ sentence-transformers' CachedMultipleNegativesRankingLoss with gather_across_dev
    through it: backward(sum(embedding * gradient)).
 So the loss, and the parameters' gradient summed over the ranks, are those of one forward over the global batch,
 whatever the process count and the accumulation. The caller's backward averages over ranks and micro batches (DDP,
-DeepSpeed, Accelerate's accumulation); `scale_back` undoes that average."""
+DeepSpeed, Accelerate's accumulation); `scale_back` undoes that average. The replay's forward and backward of each
+micro batch run inside the caller's `around(i)`, where an engine decides whether that micro batch syncs the gradient
+(DDP's no_sync, Accelerate's accumulate): the engine's step belongs after the last one. The kept random state is
+the CPU's and every CUDA device's (dropout's generators on both)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,12 +50,13 @@ def replayed(state: dict | None):
 
 def cached_step(embed: Callable[[dict], torch.Tensor], micro_batches: Sequence[Sequence[dict]], scale: float,
                 backward: Callable[[torch.Tensor], None], gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                rank: int = 0, scale_back: float = 1.0) -> torch.Tensor:
+                rank: int = 0, scale_back: float = 1.0, around: Callable[[int], Any] | None = None) -> torch.Tensor:
     """micro_batches: this rank's micro batches of the step, each a list of columns' model inputs (the queries, the
     positives, then any hard negatives); embed(inputs) -> [rows, h]. gather: every rank's rows of a tensor in rank
     order (all_gather), None on one process; `rank` places this rank's rows in it. backward(tensor): the caller's
-    backward of one micro batch (the engine's, averaging as it does); scale_back: what that average divides by
-    (micro batches x ranks). -> the global batch's loss (detached), the same on every rank."""
+    backward of one micro batch (the engine's, averaging as it does); scale_back: the divisor that backward applies
+    (its accumulation steps) x the ranks its gradient is averaged over; around(i): the context of micro batch i's
+    replay and backward. -> the global batch's loss (detached), the same on every rank."""
     states, columns = [], None
     for batch in micro_batches:
         state: dict = {}
@@ -62,16 +66,17 @@ def cached_step(embed: Callable[[dict], torch.Tensor], micro_batches: Sequence[S
         columns = [[e] for e in embedded] if columns is None else [c + [e] for c, e in zip(columns, embedded)]
     local = [torch.cat(c) for c in columns]
     everyone = [gather(c) for c in local] if gather else local
-    leaves = [c.detach().requires_grad_() for c in everyone]
+    leaves = [c.detach().float().requires_grad_() for c in everyone]   # the kept gradients in fp32
     loss = in_batch_loss(leaves[0], leaves[1:], scale)
     loss.backward()
     start = rank * len(local[0])
     grads = [leaf.grad[start:start + len(local[0])] for leaf in leaves]
     at = 0
-    for batch, state in zip(micro_batches, states):
+    for i, (batch, state) in enumerate(zip(micro_batches, states)):
         rows = len(next(iter(batch[0].values())))
-        with replayed(state):
-            surrogate = sum((embed(inputs) * g[at:at + rows]).sum() for inputs, g in zip(batch, grads))
-        backward(surrogate * scale_back)
+        with (around(i) if around else nullcontext()):
+            with replayed(state):
+                surrogate = sum((embed(inputs).float() * g[at:at + rows]).sum() for inputs, g in zip(batch, grads))
+            backward(surrogate * scale_back)
         at += rows
     return loss.detach()

@@ -36,7 +36,7 @@ def main(model_dir: str, texts_json: str, micro: str, out: str) -> None:
     def backward(surrogate):   # DDP's average over the ranks, Accelerate's over the micro batches
         (surrogate / len(batches)).backward()
 
-    torch.manual_seed(1234 + rank)   # each rank's own dropout
+    # no dropout here (the model's is 0): the replay is tested on one process, where a reference exists
     loss = cached_step(embed, batches, SCALE, backward, gather, rank, scale_back=len(batches) * world)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}   # not the unused pooler
     for grad in grads.values():

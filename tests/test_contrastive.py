@@ -52,10 +52,18 @@ def one_forward(model_dir, columns):
 
 
 def cached(model_dir, columns, micro, **kwargs):
+    """Our cached step over micro batches of `micro` rows, each replay inside a context that records its number."""
+    from contextlib import contextmanager
     model, embed, tokenize = embedder(model_dir)
-    batches = micro_batches(tokenize, columns, micro)
+    batches, entered = micro_batches(tokenize, columns, micro), []
+
+    @contextmanager
+    def around(i):
+        entered.append(i)
+        yield
     loss = cached_step(embed, batches, SCALE, lambda t: (t / len(batches)).backward(), scale_back=len(batches),
-                       **kwargs)
+                       around=around, **kwargs)
+    assert entered == list(range(len(batches)))
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

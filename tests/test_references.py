@@ -381,8 +381,21 @@ def test_train_py_learns_what_the_trainer_learns_and_its_worse_controls_do_not(t
     assert list(d) == ["1"] and d["1"] < NER_BAND[0], (d, NER_BAND)
     answerer = report["qa_verdicts"]
     assert all(m["qa_f1"] > 10 for side in ("train.py", "Trainer") for m in results[side].values()), results
-    assert answerer["train.py"]["band"] == list(QA_BAND) and answerer["train.py"]["passes"], answerer["train.py"]
+    assert QA_BAND[0] <= answerer["train.py"]["d"]["1"] <= QA_BAND[1], answerer["train.py"]
     assert answerer["train.py quarter-lr"]["d"]["1"] < answerer["train.py"]["d"]["1"], answerer
+
+
+def test_the_shifted_end_control_moves_each_held_answers_last_token():
+    """tools/quality.py's shifted-end control (the span head's): each answer's last token one to the right, clamped to
+    the window; a window whose labels point at [CLS] (no answer in it) keeps them; the window number stays."""
+    import torch
+    sys.path.insert(0, str(REPO / "tools"))
+    from quality import shifted_end
+    batch = {"input_ids": torch.zeros(3, 8, dtype=torch.long),
+             "labels": torch.tensor([[2, 4, 0], [0, 0, 1], [5, 7, 2]])}
+    out = shifted_end(batch)
+    assert out["labels"].tolist() == [[2, 5, 0], [0, 0, 1], [5, 7, 2]]
+    assert batch["labels"].tolist() == [[2, 4, 0], [0, 0, 1], [5, 7, 2]]   # the batch itself untouched
 
 
 def test_a_stable_adamw_run_resumes_bit_exact(tmp_path, sample_dir, datasets_cache, shared_tokenizer):

@@ -24,6 +24,7 @@ def beir_folder(out: Path, sample_dir: Path) -> Path:
     docs = [json.loads(line)["text"] for line in (sample_dir / "classify/validation.jsonl").read_text().splitlines()]
     docs = docs[:200]
     corpus = [{"_id": f"d{n:03d}", "title": "", "text": text} for n, text in enumerate(docs)]
+    corpus[7]["text"] += " \u2028 \x85 (line separators JSON keeps unescaped)"
     corpus.append({"_id": "d999", "title": "", "text": docs[3]})   # ties with d003, q1's relevant document
     queries, qrels = [], ["query-id\tcorpus-id\tscore"]
     for n in range(60):
@@ -34,7 +35,7 @@ def beir_folder(out: Path, sample_dir: Path) -> Path:
     qrels.append("q1\td150\t0")
     queries.append({"_id": "q-none", "text": "a query nothing answers"})
     (out / "qrels").mkdir(parents=True)
-    (out / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
+    (out / "corpus.jsonl").write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in corpus))
     (out / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
     (out / "qrels/test.tsv").write_text("\n".join(qrels) + "\n")
     return out
@@ -80,11 +81,12 @@ def test_the_export_loads_as_a_sentence_transformer_with_our_embeddings(tmp_path
     assert not torch.allclose(other, theirs, atol=1e-3)   # the control: the other pooling is not what it loaded
 
 
-def test_scores_are_the_information_retrieval_evaluators(tmp_path, sample_dir, shared_tokenizer):
+@pytest.mark.parametrize("similarity", ["cosine", "dot"])
+def test_scores_are_the_information_retrieval_evaluators(tmp_path, sample_dir, shared_tokenizer, similarity):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
     model_dir = tiny_encoder(tmp_path / "model", shared_tokenizer)
-    write_sentence_transformer(model_dir, "mean")
+    write_sentence_transformer(model_dir, "mean", similarity)
     corpus, queries, relevant = read_beir(beir_folder(tmp_path / "beir", sample_dir))
     assert "q-none" not in queries and relevant["q1"] == {"d003"} and relevant["q0"] == {"d000", "d001"}
     st = SentenceTransformer(str(model_dir), device="cpu")
@@ -95,9 +97,15 @@ def test_scores_are_the_information_retrieval_evaluators(tmp_path, sample_dir, s
     query_ids, corpus_ids = list(queries), list(corpus)
     q = st.encode([queries[i] for i in query_ids], convert_to_tensor=True, batch_size=32)
     c = st.encode([corpus[i] for i in corpus_ids], convert_to_tensor=True, batch_size=32)
-    ours = scores(q, c, query_ids, corpus_ids, relevant)
+    ours = scores(q, c, query_ids, corpus_ids, relevant, similarity=similarity)
     for name in ("ndcg@10", "mrr@10", "recall@100"):
-        assert ours[name] == pytest.approx(theirs[f"cosine_{name}"], abs=1e-9), (name, ours, theirs)
+        assert ours[name] == pytest.approx(theirs[f"{similarity}_{name}"], abs=1e-9), (name, ours, theirs)
+    # chunks of 7 queries' scores rank as one chunk; a query without a relevant document is left out, as ST leaves it
+    assert scores(q, c, query_ids, corpus_ids, relevant, similarity=similarity) == \
+        scores(torch.cat([q, q[:1]]), c, query_ids + ["q-none"], corpus_ids, relevant, similarity=similarity)
+    from bert_recipes.metrics.retrieval import ranked
+    assert ranked(q, c, corpus_ids, 100, similarity, cells=7 * len(c)) == ranked(q, c, corpus_ids, 100, similarity)
+    assert len(ranked(q[:2], c[:5], corpus_ids[:5], 100, similarity)[0]) == 5   # a depth beyond the corpus
     assert 0 < ours["ndcg@10"] < 1 and ours["recall@100"] > ours["ndcg@10"], ours   # neither empty nor perfect
     shuffled = {query: relevant[other] for query, other in zip(query_ids, query_ids[1:] + query_ids[:1])}
     assert scores(q, c, query_ids, corpus_ids, shuffled)["ndcg@10"] < ours["ndcg@10"] / 2   # the control
@@ -110,4 +118,10 @@ def test_a_beir_folder_without_its_files_or_with_unknown_documents_is_one_line(t
     with open(folder / "qrels/test.tsv", "a") as f:
         f.write("q2\tnowhere\t1\n")
     with pytest.raises(ValueError, match=r"names documents not in corpus.jsonl \(nowhere"):
+        read_beir(folder)
+    folder = beir_folder(tmp_path / "c", sample_dir)
+    with open(folder / "qrels/test.tsv", "a") as f:
+        f.write("q2\td002\thigh\n")
+    with pytest.raises(ValueError, match=r"qrels/test.tsv line 83 is \['q2', 'd002', 'high'\]; each line is query-id, "
+                                         r"corpus-id and a numeric score"):
         read_beir(folder)

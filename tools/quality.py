@@ -40,7 +40,8 @@ over the sample questions' eval split, by this repository's post-processing (run
 
 The verdict (`verdict`): per seed, d = train.py's eval loss - the Trainer's (paired). train.py passes when
 every seed's d lies in BAND; the tagger's, d = train.py's entity F1 - the Trainer's, in NER_BAND. Positive controls (--controls) are train.py with a deliberately worse setting,
-scored by the same rule against the same Trainer runs; each must fail it, or the comparison has no power:
+scored by the same rule against the same Trainer runs; each must fail it, or the comparison has no power (the
+span head's fail it on some seeds only: QA_BAND says how weak that comparison is):
 - quarter-lr: the peak learning rate quartered;
 - half-labels: the loss sees the labels of only the first half (in position order) of each sequence's
   masked positions (the tagger: of its tagged words); the inputs are masked as usual;
@@ -513,8 +514,8 @@ def worker(spec_path: str) -> None:
 
 
 def verdict(results: dict, variant: str = "train.py", metric: str = "mlm_loss", band: tuple = BAND) -> dict:
-    """Per seed d = variant's metric (MLM eval loss, the tagger's entity F1) - the Trainer's; passes when every d lies
-    in the band."""
+    """Per seed d = variant's metric (MLM eval loss, the tagger's entity F1, the span head's SQuAD F1) - the Trainer's;
+    passes when every d lies in the band."""
     seeds = sorted((s for s, m in results[variant].items() if metric in m), key=int)
     d = {s: results[variant][s][metric] - results["Trainer"][s][metric] for s in seeds}
     return {"d": d, "mean_d": statistics.mean(d.values()), "band": list(band),
