@@ -17,7 +17,7 @@ whatever the process count and the accumulation. The caller's backward averages 
 DeepSpeed, Accelerate's accumulation); `scale_back` undoes that average. The replay's forward and backward of each
 micro batch run inside the caller's `around(i)`, where an engine decides whether that micro batch syncs the gradient
 (DDP's no_sync, Accelerate's accumulate): the engine's step belongs after the last one. The kept random state is
-the CPU's and every CUDA device's (dropout's generators on both)."""
+the CPU's and that of each GPU the micro batch's inputs are on (dropout's generators)."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
@@ -35,16 +35,17 @@ def in_batch_loss(queries: torch.Tensor, documents: Sequence[torch.Tensor], scal
 
 
 @contextmanager
-def replayed(state: dict | None):
-    """Run the block from a kept random state (CPU and every CUDA device), or keep the state it starts from when
-    `state` is an empty dict: dropout draws the same masks the second time."""
+def replayed(state: dict, tensors: Sequence[torch.Tensor] = ()):
+    """Run the block from a kept random state, or keep the state it starts from when `state` is empty: the CPU's and
+    that of each GPU the `tensors` live on (torch.utils.checkpoint's device states, as activation checkpointing and
+    sentence-transformers' RandContext keep them): dropout draws the same masks the second time."""
+    from torch.utils.checkpoint import get_device_states, set_device_states
     if state:
         torch.set_rng_state(state["cpu"])
-        if state["cuda"] is not None:
-            torch.cuda.set_rng_state_all(state["cuda"])
-    elif state is not None:
+        set_device_states(state["devices"], state["states"])
+    else:
         state["cpu"] = torch.get_rng_state()
-        state["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        state["devices"], state["states"] = get_device_states(*tensors)
     yield
 
 
@@ -60,7 +61,8 @@ def cached_step(embed: Callable[[dict], torch.Tensor], micro_batches: Sequence[S
     states, columns = [], None
     for batch in micro_batches:
         state: dict = {}
-        with torch.no_grad(), replayed(state):
+        with torch.no_grad(), replayed(state, [t for inputs in batch for t in inputs.values()
+                                               if isinstance(t, torch.Tensor)]):
             embedded = [embed(inputs) for inputs in batch]
         states.append(state)
         columns = [[e] for e in embedded] if columns is None else [c + [e] for c, e in zip(columns, embedded)]
