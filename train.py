@@ -39,6 +39,7 @@ from bert_recipes.batch_ramp import BatchPlan, batch_plan
 from bert_recipes.checkpoint import (check_data_fits, check_tokenizer_fits, data_record, pick_checkpoint,
                                      read_train_state, save_checkpoint, tokenizer_record)
 from bert_recipes.config import Config, flat_dict, optimizer_steps, schedule_warnings, to_dict, to_yaml
+from bert_recipes.contrastive import accelerate_step
 from bert_recipes.data.files import same_files_on_every_rank
 from bert_recipes.data import data_progress_bars, prepare_data
 from bert_recipes.divergence import StepGuard
@@ -64,7 +65,7 @@ from bert_recipes.results import (evaluate_sources, extra_evaluations, keep_best
 from bert_recipes.run_dir import check_shared_output_dir, holding_output_dir, start_writing
 from bert_recipes.signals import INTERRUPTION, Preemption, StopAgreement
 from bert_recipes.sync_audit import SyncAudit
-from bert_recipes.tasks import kind_of
+from bert_recipes.tasks import TASKS, kind_of
 from bert_recipes.throughput import (DataLoaderWatch, Throughput, mfu_terms, profile_table, rank_extremes,
                                      start_profiler, train_line)
 from bert_recipes.trial import confirm_micro_batch
@@ -217,7 +218,9 @@ def starting_point(cfg: Config, plan, engine: Engine, output_dir: Path, notes: l
         print0(note)
     checkpoint = pick_checkpoint(cfg.checkpoint.resume, output_dir, engine)
     source = Path(cfg.checkpoint.init_from) if checkpoint is None and cfg.checkpoint.init_from else None
-    layout = run_layout(plan, cfg.train.micro_batch_size)
+    per_micro = TASKS[cfg.task.kind].sentence_embeddings and cfg.task.negatives == "micro"   # the loss's batch
+    layout = run_layout(plan, cfg.train.micro_batch_size,
+                        cfg.train.micro_batch_size * plan.replicas if per_micro else None)
     loaded, key = (checkpoint, "checkpoint.resume") if checkpoint is not None else (source, "checkpoint.init_from")
     changed = (resume_layout(saved_layout(loaded), layout, loaded, key, cfg.checkpoint.init_optimizer)
                if loaded is not None else None)
@@ -308,14 +311,18 @@ def train_step(run: Run, batches) -> tuple:
         return train_batch(engine.engine, batches)
     step: AccelerateStep = engine
     a, model, optimizer = step.accelerator, step.model, step.optimizer
-    losses = []
-    for _ in range(step.accum):
-        with a.accumulate(model):   # syncs gradients on the last micro batch only
-            loss = model(**next(batches)).loss
-            a.backward(loss)        # DeepSpeed clips and steps inside, on the last micro batch
-        losses.append(loss.detach())
+    task = run.cfg.task
+    if TASKS[task.kind].sentence_embeddings:   # the loss over the whole global batch's texts (GradCache)
+        loss = accelerate_step(step, batches, 1.0 / task.temperature, task.negatives).float()
+    else:
+        losses = []
+        for _ in range(step.accum):
+            with a.accumulate(model):   # syncs gradients on the last micro batch only
+                loss = model(**next(batches)).loss
+                a.backward(loss)        # DeepSpeed clips and steps inside, on the last micro batch
+            losses.append(loss.detach())
+        loss = torch.stack(losses).float().mean()
     assert a.sync_gradients, "the loop and Accelerate disagree on the accumulation boundary"
-    loss = torch.stack(losses).float().mean()
     if step.plan.deepspeed:   # DeepSpeed clipped and stepped, or skipped a non-finite step (its overflow check)
         grad_norm, skipped = deepspeed_norm_and_skip(a, model)
         if not skipped:         # as DeepSpeed's own schedules (and the Trainer) do

@@ -49,24 +49,31 @@ def replayed(state: dict, tensors: Sequence[torch.Tensor] = ()):
     yield
 
 
-def cached_step(embed: Callable[[dict], torch.Tensor], micro_batches: Sequence[Sequence[dict]], scale: float,
+def cached_step(embed: Callable[[Any], torch.Tensor], micro_batches: Sequence[Any], scale: float,
                 backward: Callable[[torch.Tensor], None], gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                rank: int = 0, scale_back: float = 1.0, around: Callable[[int], Any] | None = None) -> torch.Tensor:
+                rank: int = 0, scale_back: float = 1.0, around: Callable[[int], Any] | None = None,
+                columns: int | None = None) -> torch.Tensor:
     """micro_batches: this rank's micro batches of the step, each a list of columns' model inputs (the queries, the
-    positives, then any hard negatives); embed(inputs) -> [rows, h]. gather: every rank's rows of a tensor in rank
-    order (all_gather), None on one process; `rank` places this rank's rows in it. backward(tensor): the caller's
-    backward of one micro batch (the engine's, averaging as it does); scale_back: the divisor that backward applies
-    (its accumulation steps) x the ranks its gradient is averaged over; around(i): the context of micro batch i's
-    replay and backward. -> the global batch's loss (detached), the same on every rank."""
-    states, columns = [], None
+    positives, then any hard negatives), embed(inputs) -> [rows, h]; or, with `columns`, each one inputs dict whose
+    embedding holds that many equal blocks of rows, the columns in that order (one forward a micro batch). gather:
+    every rank's rows of a tensor in rank order (all_gather), None on one process; `rank` places this rank's rows in
+    it. backward(tensor): the caller's backward of one micro batch (the engine's, averaging as it does); scale_back:
+    the divisor that backward applies (its accumulation steps) x the ranks its gradient is averaged over; around(i):
+    the context of micro batch i's replay and backward. -> the global batch's loss (detached), the same on every
+    rank."""
+    def embedded(batch) -> list[torch.Tensor]:
+        return list(embed(batch).chunk(columns)) if columns else [embed(inputs) for inputs in batch]
+
+    def tensors(batch) -> list[torch.Tensor]:
+        return [t for inputs in ([batch] if columns else batch) for t in inputs.values() if isinstance(t, torch.Tensor)]
+
+    states, parts = [], []
     for batch in micro_batches:
         state: dict = {}
-        with torch.no_grad(), replayed(state, [t for inputs in batch for t in inputs.values()
-                                               if isinstance(t, torch.Tensor)]):
-            embedded = [embed(inputs) for inputs in batch]
+        with torch.no_grad(), replayed(state, tensors(batch)):
+            parts.append(embedded(batch))
         states.append(state)
-        columns = [[e] for e in embedded] if columns is None else [c + [e] for c, e in zip(columns, embedded)]
-    local = [torch.cat(c) for c in columns]
+    local = [torch.cat(column) for column in zip(*parts)]
     everyone = [gather(c) for c in local] if gather else local
     leaves = [c.detach().float().requires_grad_() for c in everyone]   # the kept gradients in fp32
     loss = in_batch_loss(leaves[0], leaves[1:], scale)
@@ -75,10 +82,35 @@ def cached_step(embed: Callable[[dict], torch.Tensor], micro_batches: Sequence[S
     grads = [leaf.grad[start:start + len(local[0])] for leaf in leaves]
     at = 0
     for i, (batch, state) in enumerate(zip(micro_batches, states)):
-        rows = len(next(iter(batch[0].values())))
+        rows = len(parts[i][0])
         with (around(i) if around else nullcontext()):
             with replayed(state):
-                surrogate = sum((embed(inputs).float() * g[at:at + rows]).sum() for inputs, g in zip(batch, grads))
+                surrogate = sum((e.float() * g[at:at + rows]).sum() for e, g in zip(embedded(batch), grads))
             backward(surrogate * scale_back)
         at += rows
     return loss.detach()
+
+
+def accelerate_step(step, batches, scale: float, negatives: str) -> torch.Tensor:
+    """The forward and backward of one optimizer step of retrieval under an Accelerate engine (train.py's step, for a
+    kind whose row has sentence_embeddings; it clips, steps and schedules after this as for any kind): `step` the
+    engine's AccelerateStep, `batches` this rank's micro batches (tasks/retrieval.py's collator: every column's texts
+    in one batch, `columns` their count). negatives global: one cached_step over the step's `accum` micro batches
+    and every rank's; micro: one a micro batch, over that micro batch of every rank (its loss the mean of theirs).
+    Each micro batch's replay and backward run in Accelerate's accumulate, so the gradient syncs on the last one and
+    DeepSpeed steps there, inside its backward. -> the step's loss (detached)."""
+    a, model = step.accelerator, step.model
+    world, rank = a.num_processes, a.process_index
+    micro = [next(batches) for _ in range(step.accum)]
+    columns = micro[0]["columns"].numel()
+
+    def embed(batch):
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    gather = a.gather if world > 1 else None
+    if negatives == "global":
+        return cached_step(embed, micro, scale, a.backward, gather, rank, scale_back=step.accum * world,
+                           around=lambda i: a.accumulate(model), columns=columns)
+    losses = [cached_step(embed, [batch], scale, a.backward, gather, rank, scale_back=world,
+                          around=lambda i: a.accumulate(model), columns=columns) for batch in micro]
+    return torch.stack(losses).mean()

@@ -34,15 +34,25 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch
     raise ValueError(f"task.pooling={mode}: no such pooling; use one of {', '.join(POOLING)}")
 
 
-def write_sentence_transformer(model_dir: Path, pooling: str, similarity: str = "cosine") -> list[str]:
+def write_sentence_transformer(model_dir: Path, pooling: str, similarity: str = "cosine",
+                               max_seq_length: int | None = None) -> list[str]:
     """Add sentence-transformers' own files to an exported encoder's folder (its weights, config and tokenizer
-    stay the export's): the transformer module reading the folder itself, then the pooling. -> the names added."""
+    stay the export's): the transformer module reading the folder itself, then the pooling; max_seq_length: where
+    its encode truncates (the length the model trained and was evaluated at). -> the names added."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers.utils import logging as hf_logging
     model_dir = Path(model_dir)
-    encoder = Transformer(str(model_dir))
+    was = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # its load report (BERT's pooler, which no pooling reads): not the user's news
+    try:
+        encoder = Transformer(str(model_dir))
+    finally:
+        hf_logging.set_verbosity(was)
     st = SentenceTransformer(modules=[encoder, Pooling(encoder.get_embedding_dimension(), pooling_mode=pooling)],
                              similarity_fn_name=similarity, device="cpu")
+    if max_seq_length is not None:
+        st.max_seq_length = max_seq_length
     with tempfile.TemporaryDirectory(dir=model_dir.parent) as scratch:
         st.save(scratch)
         added = [name for name in (*ST_FILES, "1_Pooling") if (Path(scratch) / name).exists()]

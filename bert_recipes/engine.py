@@ -16,7 +16,7 @@ import torch
 
 from .backends.accelerator import build_accelerator, describe, optimizer_in_effect, set_kernels
 from .backends.deepspeed import (check_nvme_gradient_swap, deepspeed_owned, fill_micro_batch, fp32_state_dict,
-                                 saved_meeting_the_barrier, zero3_keeps_model_dtype)
+                                 saved_meeting_the_barrier, without_zero_init, zero3_keeps_model_dtype)
 from .backends.deepspeed_universal import resharded
 from .backends.fsdp import wrap_model_layers
 from .backends.plan import LaunchPlan
@@ -258,8 +258,9 @@ class AccelerateEngine:
         out = Path(out_dir)
         state_dict = full_state_dict(self.accelerator, self.model)
         if self.accelerator.is_main_process:
-            write_export(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), out, tokenizer,
-                         config_yaml, card, state_dict, save_function=self.accelerator.save)
+            with without_zero_init(self.accelerator):
+                write_export(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), out, tokenizer,
+                             config_yaml, card, state_dict, save_function=self.accelerator.save)
         return out
 
     def final(self) -> dict:

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
 
 from .architectures import ARCHITECTURES
 from .config import CheckpointConfig, TaskConfig
@@ -36,6 +37,10 @@ def write_export(model, out: Path, tokenizer, config_yaml: str, card: str, state
     with no_shard_bar():
         model.save_pretrained(out, state_dict=state_dict, safe_serialization=True, save_function=save_function)
     tokenizer.save_pretrained(out)
+    if getattr(model, "sentence_pooling", None):   # retrieval's encoder: a sentence-transformers model as well
+        from .embeddings import write_sentence_transformer
+        write_sentence_transformer(out, model.sentence_pooling,
+                                   max_seq_length=yaml.safe_load(config_yaml)["data"]["max_seq_length"])
     (out / "recipe.yaml").write_text(config_yaml)
     (out / "README.md").write_text(card)
     shutil.rmtree(final, ignore_errors=True)

@@ -9,11 +9,13 @@ from .checkpoint import read_train_state
 from .config import ConfigError
 
 
-def run_layout(plan, micro_batch_size: int) -> dict:
+def run_layout(plan, micro_batch_size: int, negatives_in: int | None = None) -> dict:
     """How a run is laid out over processes, saved with each checkpoint (train_state.json) so a resume can
-    tell what changed."""
-    return {"backend": plan.name, "kind": plan.kind, "world": plan.world, "replicas": plan.replicas,
-            "accum": plan.accum, "micro_batch_size": micro_batch_size}
+    tell what changed. negatives_in: retrieval with task.negatives=micro, the texts of a query's softmax (micro batch
+    x processes), which the loss depends on."""
+    layout = {"backend": plan.name, "kind": plan.kind, "world": plan.world, "replicas": plan.replicas,
+              "accum": plan.accum, "micro_batch_size": micro_batch_size}
+    return layout | ({"negatives_in": negatives_in} if negatives_in else {})
 
 
 def saved_layout(checkpoint: Path) -> dict | None:
@@ -44,6 +46,12 @@ def resume_layout(saved: dict | None, now: dict, checkpoint: Path, key: str = "c
             return None
         return (f"[init] {checkpoint} was saved by {was} processes under {saved.get('backend', now['backend'])}: its "
                 f"full weights are read and this run's {now['backend']} lays them out on its {now['world']}")
+    if saved.get("negatives_in") != now.get("negatives_in") and key == "checkpoint.resume":
+        raise ConfigError(
+            f"task.negatives=micro: {checkpoint} scored each query against the positives of {saved.get('negatives_in')} "
+            f"pairs (micro batch x processes) and this run would against {now.get('negatives_in')}'s, another loss: "
+            f"resume with {was} processes and micro batch {saved['micro_batch_size']}, or train with "
+            "task.negatives=global (the same loss on any process count)")
     refusal = reshard_refusal(saved, now, checkpoint, key)
     if refusal:
         why, fix = refusal

@@ -34,6 +34,8 @@ def model_config(model_cfg: ModelConfig, task: TaskConfig, vocab_size: int, pad_
                    f"task.kind={task.kind} here builds {', '.join(ARCHITECTURES)}")
             raise ConfigError(f"model.name_or_path={model_cfg.name_or_path} is a {config.model_type} model and "
                               f"model.architecture={named}: {fix}")
+        for key, value in labels.items():   # from_pretrained sets only the keys its config class knows
+            setattr(config, key, value)
         # a classifier from another model type (roberta, ...): BERT's dropout fields, which such configs share
         return module(built_here).with_recipe_fields(config, model_cfg)
     special = special or dict.fromkeys(SPECIAL_IDS, pad_token_id)

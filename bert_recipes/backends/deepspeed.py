@@ -414,6 +414,29 @@ def cpu_adam(groups: list[dict], optim: OptimConfig):
     return DeepSpeedCPUAdam(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, adamw_mode=True)
 
 
+def without_zero_init(accelerator):
+    """A context in which a model that rank 0 alone loads (an export's sentence-transformers files, written by
+    sentence-transformers reading the folder back: embeddings.write_sentence_transformer) is built whole: under ZeRO-3
+    transformers' from_pretrained would build it in zero.Init, a collective the other ranks never join (a hang)."""
+    if accelerator.state.deepspeed_plugin is None:
+        return contextlib.nullcontext()
+    return _hf_zero3_off()
+
+
+@contextlib.contextmanager
+def _hf_zero3_off():
+    """transformers' own switch: its weak reference to the run's DeepSpeed config (set by Accelerate's plugin, which
+    its is_deepspeed_zero3_enabled reads) unset, and restored after (Accelerate's zero3_init_context_manager only
+    changes it where its zero3_init_flag does)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = kept
+
+
 def fp32_state_dict(accelerator, unwrapped) -> dict:
     """Under DeepSpeed in bf16/fp16 the model's own parameters are 16-bit copies; the fp32 master
     weights live in the optimizer, and those are what the export holds (safe_get_full_fp32_param,

@@ -352,6 +352,13 @@ def validate(cfg: Config) -> None:
     if not row.masked_lm and m.name_or_path is None and cfg.tokenizer.name_or_path is None:   # MLM trains its own
         raise ConfigError(f"{cfg.task.kind} needs a tokenizer: set model.name_or_path (a pretrained "
                           "or exported model) or tokenizer.name_or_path")
+    if row.sentence_embeddings:
+        if not cfg.data.text_pair_column:
+            raise ConfigError(f"task.kind={cfg.task.kind} needs data.text_pair_column: the positive passage's column "
+                              "(data.text_column is the query's), e.g. data.text_pair_column=positive")
+        if cfg.data.unpad:
+            raise ConfigError(f"data.unpad=true: task.kind={cfg.task.kind} pools each text over its own padded row "
+                              "(task.pooling); set data.unpad=false")
     if row.labelled:
         if cfg.task.label_names and len(cfg.task.label_names) != cfg.task.num_labels:
             raise ConfigError(f"task.label_names has {len(cfg.task.label_names)} names but "

@@ -112,6 +112,18 @@ class TaskConfig:
     null_threshold: float = ranged(0.0, low=-100, high=100, hint="a margin of start + end logits")
     """question_answering with task.unanswerable: the empty answer wins where the null score exceeds the best span's
     by more than this (run_qa.py's --null_score_diff_threshold)."""
+    pooling: Literal["mean", "cls", "lasttoken"] = "mean"
+    """retrieval: how a text's token states become its embedding (sentence-transformers' Pooling modes: the mean over
+    its tokens, its first token, its last); the export's 1_Pooling/config.json says the same."""
+    temperature: float = ranged(0.05, low=0, open_low=True, high=10, hint="sentence-transformers' scale 20 = 0.05")
+    """retrieval: the in-batch softmax's temperature over cosine similarities (MultipleNegativesRankingLoss's scale is
+    its inverse)."""
+    negatives: Literal["global", "micro"] = "global"
+    """retrieval: whose passages a query is scored against. global: every query's positive and hard negatives of the
+    whole optimizer step on every rank (GradCache: the loss is the same on any process count and accumulation).
+    micro: those of the micro batches of one accumulation step, gathered across ranks (sentence-transformers'
+    MultipleNegativesRankingLoss with gather_across_devices): cheaper, but the loss depends on micro batch x
+    processes, so a resume on another process count is refused."""
 
 
 @dataclass
@@ -230,7 +242,14 @@ class DataConfig:
     """When the source has no eval split, hold out this percent of train (seeded)."""
     text_column: str = "text"
     text_pair_column: Optional[str] = None
-    """classification on sentence pairs (MRPC, MNLI, ...): the second sentence's column."""
+    """classification on sentence pairs (MRPC, MNLI, ...): the second sentence's column; retrieval: the positive
+    passage's column (data.text_column is the query's)."""
+    negative_columns: Optional[list[str]] = None
+    """retrieval: columns of hard negatives, a passage each that the query should rank below its positive."""
+    beir_dir: Optional[str] = None
+    """retrieval: evaluate on a BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv: SciFact, NFCorpus, ...)
+    by nDCG@10, MRR@10 and recall@100 instead of the evaluation split's pairs (each query against every positive of
+    the split)."""
     doc_stride: int = ranged(128, **POSITIVE, hint="tokens")
     """question_answering: a context longer than a window is read in several, each sharing this many tokens with the
     one before (the tokenizer's stride, as run_qa.py passes its doc_stride); less than data.max_seq_length."""

@@ -18,6 +18,9 @@ from what an uncased WordPiece sees (a CamelCase class name, which only its capi
 
 Question answering task (SQuAD's layout): a cloze question on the same paragraphs, the sentence that holds the first
 NAME with it replaced by "what", answered by that name's span; the same split by module.
+
+Retrieval task (query, positive pairs): a docstring's first sentence (its summary line) as the query, the rest of the
+docstring as the passage it should find; the same split by module, each split's passages its corpus.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ SPLIT_FRACTIONS = {"train": 0.7, "validation": 0.15, "test": 0.15}
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "idlelib"}
 MIN_DOC_CHARS = 30
 MAX_DOC_CHARS = 2000
-FORMAT_VERSION = 8   # bump when the build changes, so cached copies are rebuilt
+FORMAT_VERSION = 9   # bump when the build changes, so cached copies are rebuilt
 NER_TAGS = ["O", "B-NAME", "I-NAME", "B-LITERAL", "I-LITERAL"]
 NER_MAX_WORDS = 48
 _NAME = re.compile(r"^(\w+\(\)|[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(\(\))?|[a-z][a-z0-9]*(_[a-z0-9]+)+|_\w+)$")
@@ -119,17 +122,33 @@ def _qa_row(doc: str, n: str) -> dict | None:
             "answers": {"text": [name], "answer_start": [start]}}
 
 
-def _derived_tasks(out: Path, examples: dict) -> tuple[dict, dict]:
-    """The tagging (ner/) and question (qa/) files, from the classification docstrings' splits. -> their rows."""
+def _pair_row(doc: str, n: str) -> dict | None:
+    """A docstring's first sentence (up to its first ". " or blank line: 3 to 24 words) as a query, the rest
+    (whitespace joined, at least MIN_DOC_CHARS) as its positive passage; None where the docstring has no such parts."""
+    text = re.sub(r"[ \t]+", " ", doc).strip()
+    cut = min((i for i in (text.find(". "), text.find("\n\n"), text.find(".\n")) if i >= 0), default=-1)
+    if cut < 0:
+        return None
+    query, rest = re.sub(r"\s+", " ", text[:cut + 1]).strip(), re.sub(r"\s+", " ", text[cut + 1:]).strip()
+    if not 3 <= len(query.split()) <= 24 or len(rest) < MIN_DOC_CHARS:
+        return None
+    return {"id": f"r{n}", "query": query, "positive": rest}
+
+
+def _derived_tasks(out: Path, examples: dict) -> tuple[dict, dict, dict]:
+    """The tagging (ner/), question (qa/) and pair (retrieval/) files, from the classification docstrings' splits.
+    -> their rows."""
     ner = {split: [row for row in map(_ner_row, (r["text"] for r in rows)) if row] for split, rows in examples.items()}
     qa = {split: [row for row in (_qa_row(r["text"], f"{split}-{n}") for n, r in enumerate(rows)) if row]
           for split, rows in examples.items()}
-    for kind, by_split in (("ner", ner), ("qa", qa)):
+    pairs = {split: [row for row in (_pair_row(r["text"], f"{split}-{n}") for n, r in enumerate(rows)) if row]
+             for split, rows in examples.items()}
+    for kind, by_split in (("ner", ner), ("qa", qa), ("retrieval", pairs)):
         (out / kind).mkdir(parents=True, exist_ok=True)
         for split, rows in by_split.items():
             (out / kind / f"{split}.jsonl").write_text(
                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return ner, qa
+    return ner, qa, pairs
 
 
 def _stdlib_files(root: Path) -> list[Path]:
@@ -190,6 +209,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
     out_dir/classify/{train,validation,test}.jsonl   {"text": ..., "label": int, "area": str}
     out_dir/ner/{train,validation,test}.jsonl   {"tokens": [words], "ner_tags": [BIO tags, NER_TAGS]}
     out_dir/qa/{train,validation,test}.jsonl   {"id", "question", "context", "answers": {"text", "answer_start"}}
+    out_dir/retrieval/{train,validation,test}.jsonl   {"id", "query", "positive"}
     out_dir/manifest.json   counts, label names, majority baseline, content hashes
     """
     out = Path(out_dir)
@@ -238,7 +258,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
 
     (out / "pretrain").mkdir(parents=True, exist_ok=True)
     (out / "classify").mkdir(parents=True, exist_ok=True)
-    ner, qa = _derived_tasks(out, examples)
+    ner, qa, pairs = _derived_tasks(out, examples)
     # the training paragraphs by kind, two sources for a data.mixture (recipes/tiny-mlm-modern.yaml)
     files = {"pretrain/train.txt": pre_train, "pretrain/validation.txt": pre_val,
              "pretrain/reference.txt": [p for p in pre_train if p in reference],
@@ -260,6 +280,7 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
         "pretrain_chars": sum(len(p) for p in pre_train),
         "classify_examples": {s: len(r) for s, r in examples.items()},
         "qa_examples": {s: len(r) for s, r in qa.items()},
+        "retrieval_pairs": {s: len(r) for s, r in pairs.items()},
         "ner_tags": NER_TAGS,
         "ner_examples": {s: len(r) for s, r in ner.items()},
         "ner_tag_counts": {s: dict(sorted(Counter(t for r in rows for t in r["ner_tags"]).items()))
@@ -270,7 +291,8 @@ def build_sample(out_dir: str | os.PathLike, stdlib_root: str | None = None) -> 
         "majority_baseline_accuracy": {s: sum(r["label"] == majority for r in rows) / max(len(rows), 1)
                                        for s, rows in examples.items()},
         "sha256": {name: _hash((out / name).read_text(encoding="utf-8"))
-                   for name in [*files, *(f"{kind}/{s}.jsonl" for kind in ("classify", "ner", "qa") for s in examples)]},
+                   for name in [*files, *(f"{kind}/{s}.jsonl" for kind in ("classify", "ner", "qa", "retrieval")
+                                  for s in examples)]},
     }
     tmp = manifest_path.with_suffix(".tmp")   # the manifest is written last: its presence means "complete"
     tmp.write_text(json.dumps(manifest, indent=2))

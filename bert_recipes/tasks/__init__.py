@@ -25,7 +25,9 @@ class TaskKind:
     metrics: the evaluation's metric names (None: task.metrics, or its defaults by task.num_labels);
     sample: the embedded sample's files it trains on: (datasets builder, path under data.sample_dir with {split},
       the splits there), or None: the sample has none for it (data.source=sample is refused in one line);
-    pipeline_tag: the Hub's task tag for an export."""
+    pipeline_tag: the Hub's task tag for an export;
+    sentence_embeddings: it trains an embedding a text: its step is contrastive.accelerate_step (the loss over the
+      whole global batch, not a micro batch's), and its export is also a sentence-transformers model."""
     title: str
     masked_lm: bool
     labelled: bool
@@ -35,6 +37,7 @@ class TaskKind:
     metrics: tuple[str, ...] | None
     sample: tuple[str, str, tuple[str, ...]] | None
     pipeline_tag: str
+    sentence_embeddings: bool = False
 
 
 TASKS = {
@@ -55,6 +58,11 @@ TASKS = {
                                    metrics=("exact_match", "f1"),
                                    sample=("json", "qa/{split}.jsonl", ("train", "validation")),
                                    pipeline_tag="question-answering"),
+    "retrieval": TaskKind("retrieval embeddings (contrastive, in-batch negatives)", masked_lm=False, labelled=False,
+                          test_predictions=False, answer_files=False, per_token=False,
+                          metrics=("ndcg@10", "mrr@10", "recall@100"),
+                          sample=("json", "retrieval/{split}.jsonl", ("train", "validation", "test")),
+                          pipeline_tag="sentence-similarity", sentence_embeddings=True),
 }
 
 
