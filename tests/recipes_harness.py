@@ -88,6 +88,9 @@ def shrink(recipe: Path, out: Path, sample: Path, cache: Path, tokenizer: Path, 
         from bert_recipes.data.sample import NER_TAGS
         args.update({"data.source": "sample", "data.sample_dir": sample, "task.num_labels": len(NER_TAGS),
                      "task.label_names": f"[{', '.join(NER_TAGS)}]"})
+    elif c.task.kind == "retrieval":   # MS MARCO's triplets -> the sample's pairs, evaluated on their own split
+        args.update({"data.source": "sample", "data.sample_dir": sample, "data.negative_columns": None,
+                     "data.beir_dir": None})
     else:
         args.update({"data.source": "sample", "data.sample_dir": sample})
     return [f"{k}={'null' if v is None else v}" for k, v in args.items()]

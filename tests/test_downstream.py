@@ -44,13 +44,14 @@ QUESTIONS = ["--data.max_seq_length=64", "--data.doc_stride=8"]   # FINE_TUNE's 
 
 
 @pytest.mark.parametrize("recipe, metric, more", [("tiny-ner.yaml", "f1", []),
-                                                  ("tiny-squad.yaml", "exact_match", QUESTIONS)],
-                         ids=["token_classification", "question_answering"])
+                                                  ("tiny-squad.yaml", "exact_match", QUESTIONS),
+                                                  ("tiny-retrieval.yaml", "ndcg@10", [])],
+                         ids=["token_classification", "question_answering", "retrieval"])
 def test_the_tagger_and_the_answerer_score_a_pretraining(recipe, metric, more, tmp_path, sample_dir, datasets_cache,
                                                          shared_tokenizer, capsys):
-    """checkpoint.downstream=recipes/tiny-ner.yaml or tiny-squad.yaml: make downstream fine-tunes the pretraining's
-    step-4 export as a tagger or a span head and records its score (the recipe's first metric: entity F1, exact
-    match) by pretraining step."""
+    """checkpoint.downstream=recipes/tiny-ner.yaml, tiny-squad.yaml or tiny-retrieval.yaml: make downstream fine-tunes
+    the pretraining's step-4 export as a tagger, a span head or an embedding model and records its score (the
+    recipe's first metric: entity F1, exact match, nDCG@10) by pretraining step."""
     run = tmp_path / "pretrain"
     run_in_process(tiny_args(run, sample_dir, datasets_cache, **{
         "tokenizer.name_or_path": shared_tokenizer, "train.max_steps": 4, "checkpoint.save_every": 4,

@@ -50,7 +50,8 @@ def test_each_start_is_what_it_says(tmp_path, sample_dir, datasets_cache, shared
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--recipes", "tiny-mlm"], "--recipes tiny-mlm: not a twin (one of tiny-classify, tiny-ner, tiny-squad)"),
+    (["--recipes", "tiny-mlm"],
+     "--recipes tiny-mlm: not a twin (one of tiny-classify, tiny-ner, tiny-squad, tiny-retrieval)"),
     (["--from", "/nonexistent/model"], "--from /nonexistent/model: no exported model there"),
 ], ids=["not-a-twin", "no-export"])
 def test_bad_input_is_one_line_and_writes_nothing(argv, said, tmp_path, capsys):

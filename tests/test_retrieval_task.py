@@ -116,8 +116,8 @@ def test_a_halt_on_two_resumes_on_one_and_exports_a_sentence_transformer(tmp_pat
 
 
 def test_bad_values_are_one_line(tmp_path, sample_dir, datasets_cache, shared_tokenizer, capsys):
-    """No positive column, a column the data lacks, data.unpad, a BEIR folder without its files, the pipeline: one line
-    each, and nothing written."""
+    """No positive column, a column the data lacks, data.unpad, data.group_by_length, a BEIR folder without its files,
+    the pipeline: one line each, and nothing written."""
     from bert_recipes.backends.consistency import check_consistency
     from bert_recipes.config import ConfigError, load_config
     from conftest import backend_rows
@@ -127,6 +127,7 @@ def test_bad_values_are_one_line(tmp_path, sample_dir, datasets_cache, shared_to
         "data.text_pair_column=null": "task.kind=retrieval needs data.text_pair_column: the positive passage's column",
         "data.negative_columns=[hard]": "column 'hard' not in the train split",
         "data.unpad=true": "data.unpad=true: task.kind=retrieval pools each text over its own padded row",
+        "data.group_by_length=true": "data.group_by_length=true: task.kind=retrieval batches a query with its",
         f"data.beir_dir={tmp_path}": f"data.beir_dir={tmp_path}: no corpus.jsonl, queries.jsonl, qrels/test.tsv there",
     }
     for change, message in cases.items():
@@ -136,3 +137,25 @@ def test_bad_values_are_one_line(tmp_path, sample_dir, datasets_cache, shared_to
     with pytest.raises(ConfigError, match="task.kind=retrieval: the pipeline engine cuts the heads of mlm, "
                                           "classification only"):
         check_consistency(load_config(None, args), backend_rows()["pipeline"].plan, 2, 1, False)
+
+
+def test_hard_negatives_join_every_querys_softmax(tmp_path, sample_dir, datasets_cache, shared_tokenizer):
+    """Triplets from files (data.negative_columns): each query's softmax spans the step's 16 positives and 16 hard
+    negatives. A fresh encoder scores every text nearly alike, so the first step's loss is near log(candidates): log 32
+    with the negatives, log 16 without (the control: the same rows, data.negative_columns unset), log 2 apart
+    (measured: 3.28 and 2.58)."""
+    import math
+    rows = [json.loads(line) for line in (sample_dir / "retrieval/train.jsonl").read_text().splitlines()][:128]
+    triplets = tmp_path / "triplets.jsonl"
+    triplets.write_text("".join(json.dumps({**r, "negative": rows[(n + 1) % len(rows)]["positive"]}) + "\n"
+                                for n, r in enumerate(rows)))
+    first = {}
+    for name, negatives in (("with", "[negative]"), ("without", "null")):
+        out = tmp_path / name
+        final = run_in_process(pair_args(out, sample_dir, datasets_cache, shared_tokenizer, **{
+            "data.source": "files", "data.train_files": f"[{triplets}]", "data.negative_columns": negatives,
+            "train.max_steps": 2, "logging.log_every": 1, "train.eval_every": "null", "checkpoint.save_every": "null"}))
+        assert final["steps"] == 2
+        first[name] = json.loads((out / "metrics.json").read_text())["history"]["train"][0]["loss"]
+    assert first["with"] - first["without"] == pytest.approx(math.log(2), abs=0.1), first   # twice the candidates
+    assert first["with"] == pytest.approx(math.log(32), abs=0.3), first

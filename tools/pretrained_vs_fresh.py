@@ -1,7 +1,7 @@
 """Does pretraining pay on the embedded sample's fine-tuning tasks? Each twin recipe (tiny-classify, tiny-ner,
-tiny-squad) fine-tuned as it ships, from a pretrained export (make demo's runs/tiny-mlm/model by default) and from a
+tiny-squad, tiny-retrieval) fine-tuned as it ships, from a pretrained export (make demo's runs/tiny-mlm/model by default) and from a
 fresh model of the same shape and tokenizer, on the same seeds: the recipe's score for each (its
-checkpoint.metric_for_best, else its first metric: accuracy, entity F1, exact match), and on how many seeds the
+checkpoint.metric_for_best, else its first metric: accuracy, entity F1, exact match, nDCG@10), and on how many seeds the
 pretrained start is ahead.
 
     python tools/pretrained_vs_fresh.py --seeds 1-3 --out /tmp/pvf                 # after make demo: every twin
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-TWINS = ("tiny-classify", "tiny-ner", "tiny-squad")
+TWINS = ("tiny-classify", "tiny-ner", "tiny-squad", "tiny-retrieval")
 # the shape a fresh model copies from the export's config.json (ModelConfig's keys of the same name)
 SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings",
          "local_attention", "global_attn_every_n_layers", "global_rope_theta", "local_rope_theta")

@@ -4,6 +4,7 @@
     python tools/quality.py --seeds 1-3 --controls quarter-lr,half-labels --classify-steps 256 --out /tmp/q  # make bench's
     python tools/quality.py --seeds 1-3 --controls quarter-lr,half-labels --mlm-steps 0 --ner-steps 132 --out /tmp/q
     python tools/quality.py --seeds 1-3 --controls quarter-lr,shifted-end --mlm-steps 0 --qa-steps 240 --out /tmp/q
+    python tools/quality.py --seeds 1-6 --controls temperature-10x --mlm-steps 0 --retrieval-steps 174 --out /tmp/q
 
 For each seed, both sides train the tiny BERT (hidden 64, 2 layers, vocabulary 1,000, sequence 64) on the
 embedded sample's packed MLM blocks, past the unigram plateau (eval loss ~5.97 at 100 steps; ~5.6 at 500):
@@ -32,11 +33,16 @@ MLM model, make demo's by default (--classify-from), with the seed's new head, o
 The tagger's side in the Trainer is transformers' token classifier with DataCollatorForTokenClassification (run_ner.py's
 collator), its labels train.py's (the first sub-token of each word). The span head's side is transformers' question
 answering model on train.py's windows, its start_positions and end_positions train.py's labels (run_qa.py's features).
+The embedding model's side (--retrieval-steps: tiny-retrieval's pairs) is sentence-transformers' own trainer,
+SentenceTransformerTrainer with MultipleNegativesRankingLoss (scale 20, cosine: the field's reference), from the same
+encoder, each of its batches one of train.py's optimizer steps in train.py's order (train.py's softmax spans its whole
+global batch, so both score a query against the same positives), mean pooling, truncation at 64 tokens.
 
 One evaluator scores every model: MLM eval loss and accuracy over the eval split under EVAL_DRAWS fixed
 per-token 15% mask draws (the same for every model); fine-tuning accuracy on the sample task's eval split; the
 tagger's entity F1 by seqeval over the sample tagging task's eval split; the span head's SQuAD F1 and exact match
-over the sample questions' eval split, by this repository's post-processing (run_qa.py's).
+over the sample questions' eval split, by this repository's post-processing (run_qa.py's); the embedding model's
+nDCG@10 by sentence-transformers' InformationRetrievalEvaluator over the sample pairs' validation split.
 
 The verdict (`verdict`): per seed, d = train.py's eval loss - the Trainer's (paired). train.py passes when
 every seed's d lies in BAND; the tagger's, d = train.py's entity F1 - the Trainer's, in NER_BAND. Positive controls (--controls) are train.py with a deliberately worse setting,
@@ -47,6 +53,7 @@ span head's fail it on some seeds only: QA_BAND says how weak that comparison is
   masked positions (the tagger: of its tagged words); the inputs are masked as usual;
 - shifted-end (question answering): each answer's last token one to the right, as an off-by-one in the offsets' walk
   would label it.
+- temperature-10x (retrieval): the softmax's temperature 0.5 where both sides train at 0.05 (a scale of 2, not 20).
 """
 from __future__ import annotations
 
@@ -80,7 +87,9 @@ MLM = {"lr": 2e-3, "steps": 500, "seq": 64, "tokenizer": TOKENIZER}   # tiny-mlm
 CLASSIFY = {"lr": 1e-3, "steps": 0, "seq": 128, "tokenizer": str(REPO / "runs/tiny-mlm/model")}   # tiny-classify's
 NER = {**CLASSIFY, "lr": 1e-3, "seq": 128}   # tiny-ner's
 QA = {**CLASSIFY, "lr": 1e-3, "seq": 128}    # tiny-squad's (its windows share data.doc_stride=32)
-FINE_TUNED = {"classify": "tiny-classify.yaml", "ner": "tiny-ner.yaml", "qa": "tiny-squad.yaml"}   # by their recipe
+RETRIEVAL = {**CLASSIFY, "lr": 5e-4, "seq": 64}   # tiny-retrieval's
+FINE_TUNED = {"classify": "tiny-classify.yaml", "ner": "tiny-ner.yaml", "qa": "tiny-squad.yaml",
+              "retrieval": "tiny-retrieval.yaml"}   # by their recipe
 EVAL_SEED, EVAL_DRAWS = 0, 4
 PLATEAU = 5.97   # the MLM eval loss where both sides sit for the first ~100 steps (the unigram level)
 # The band of the paired difference d (train.py's MLM eval loss - the Trainer's, nats), per seed: the mean of d
@@ -109,8 +118,19 @@ NER_BAND = (-0.025, 0.030)
 # demo's model the spread is wider (d -0.17, +1.12, -4.33, -1.16, +1.61, -2.20; sd 2.2) and the controls do not
 # separate (quarter-lr -3.78, -1.65, +1.28; shifted-end -4.12, -6.23, -4.12): the verdict is meant from init.
 QA_BAND = (-6.6, 4.9)
-CONTROLS = ("quarter-lr", "half-labels", "shifted-end")
-CONTROLS_OF = {"mlm": CONTROLS[:2], "ner": CONTROLS[:2], "qa": ("quarter-lr", "shifted-end")}   # the kinds with a
+# The embedding model's band of d (train.py's nDCG@10 - sentence-transformers' trainer's), per seed: the mean +- 4
+# standard deviations, rounded outward to 0.001. Measured 2026-12-07 on this machine (`--mlm-steps 0 --retrieval-steps
+# 174 --seeds 1-6 --control-seeds 1,2,4 --controls temperature-10x --classify-from init`: tiny-retrieval's pairs, lr
+# 5e-4, 16 pairs a step, about 3 epochs, no dropout on either side): d = +0.0002, -0.0002, +0.0010, -0.0012, -0.0016,
+# +0.0001 (mean -0.0003, sd 0.0010; nDCG@10 0.327 +- 0.005 on both sides). The control's d (seeds 1, 2, 4):
+# temperature-10x -0.022, -0.024, -0.018. In the same run quarter-lr was a retrieval control too (-0.031, -0.034,
+# -0.031); it no longer is, to keep the suite's case short. With dropout on both sides (each its own stream) the
+# spread is 9x wider (sd 0.0088 from make demo's model, seeds 1-6) and the controls fall inside 4 of its standard
+# deviations: the comparison turns dropout off.
+RETRIEVAL_BAND = (-0.005, 0.004)
+CONTROLS = ("quarter-lr", "half-labels", "shifted-end", "temperature-10x")
+CONTROLS_OF = {"mlm": CONTROLS[:2], "ner": CONTROLS[:2], "qa": ("quarter-lr", "shifted-end"),
+               "retrieval": ("temperature-10x",)}   # the kinds with a
 # verdict; a span head's labels are one answer a window: it has no half to keep
 
 
@@ -123,6 +143,9 @@ def prepare_data(root: Path, sample_dir: Path, kind: str, hyper: dict) -> Path:
 
     from bert_recipes.config import load_config, validate
     from bert_recipes.data.sample import build_sample
+    if kind == "retrieval":   # pairs of texts: both sides read the sample's files (run_train_py, run_trainer)
+        build_sample(sample_dir)
+        return Path(sample_dir).resolve()
     out = root / f"{kind}-{hyper['seq']}"
     if not (out / ("store.json" if kind == "mlm" else "prepared.json")).exists():
         build_sample(sample_dir)
@@ -157,14 +180,18 @@ def head_start(kind: str, mlm_model: Path, out: Path, seed: int) -> Path:
     torch.manual_seed(seed)."""
     import torch
     from transformers import (AutoTokenizer, BertForQuestionAnswering, BertForSequenceClassification,
-                              BertForTokenClassification)
+                              BertForTokenClassification, BertModel)
 
     from bert_recipes.config import load_config
     task = load_config(REPO / "recipes" / FINE_TUNED[kind]).task
     names = {"id2label": dict(enumerate(task.label_names))} if task.label_names else {}
     path = out / f"{kind}-init-{seed}"
     torch.manual_seed(seed)
-    if kind == "qa":
+    if kind == "retrieval":   # no new head: the encoder itself (its MLM head unused by both sides), without dropout:
+        # the two sides' dropout streams differ, and without them both compute the same maths step for step
+        BertModel.from_pretrained(mlm_model, add_pooling_layer=False, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0).save_pretrained(path)
+    elif kind == "qa":
         BertForQuestionAnswering.from_pretrained(mlm_model).save_pretrained(path)
     else:
         cls = BertForSequenceClassification if kind == "classify" else BertForTokenClassification
@@ -221,9 +248,12 @@ def run_train_py(kind: str, start: Path, prepared: Path, out_dir: Path, seed: in
     from accelerate.state import AcceleratorState, GradientState
     lr = hyper["lr"] / 4 if control == "quarter-lr" else hyper["lr"]
     recipe = {"mlm": "tiny-mlm.yaml", **FINE_TUNED}[kind]
+    source = {"mlm": ["--data.source=store", f"--data.store_dir={prepared}"],
+              "retrieval": ["--data.source=sample", f"--data.sample_dir={prepared}", "--data.cache_dir="
+                            f"{out_dir.parent / 'cache'}"]}.get(kind, ["--data.source=prepared",
+                                                                        f"--data.prepared_dir={prepared}"])
     argv = ["--recipe", str(REPO / "recipes" / recipe), f"--run.output_dir={out_dir}", "--run.overwrite=true",
-            f"--run.seed={seed}", *([f"--data.source=store", f"--data.store_dir={prepared}"] if kind == "mlm" else
-                                   ["--data.source=prepared", f"--data.prepared_dir={prepared}"]),
+            f"--run.seed={seed}", *source, *(["--task.temperature=0.5"] if control == "temperature-10x" else []),
             f"--data.max_seq_length={hyper['seq']}", "--data.num_workers=0", f"--model.name_or_path={start}",
             f"--tokenizer.name_or_path={hyper['tokenizer']}", f"--train.max_steps={hyper['steps']}",
             f"--train.global_batch_size={MICRO * ACCUM}", f"--train.micro_batch_size={MICRO}",
@@ -257,6 +287,8 @@ def run_trainer(kind: str, start: Path, prepared: Path, out_dir: Path, seed: int
                               DataCollatorForTokenClassification, DataCollatorWithPadding, Trainer, TrainingArguments)
     tokenizer = AutoTokenizer.from_pretrained(hyper["tokenizer"])
     rows = [i for batch in order for i in batch]
+    if kind == "retrieval":
+        return run_sentence_transformers(start, prepared, out_dir, seed, hyper, rows)
 
     class Replay(Trainer):
         def _get_train_sampler(self, train_dataset=None):
@@ -285,6 +317,46 @@ def run_trainer(kind: str, start: Path, prepared: Path, out_dir: Path, seed: int
     trainer.model_accepts_loss_kwargs = False   # restores loss / accumulation steps: see the module docstring
     trainer.train()
     trainer.save_model(str(out_dir))
+
+
+def run_sentence_transformers(start: Path, sample_dir: Path, out_dir: Path, seed: int, hyper: dict,
+                              rows: list[int]) -> None:
+    """sentence-transformers' own trainer (SentenceTransformerTrainer) with MultipleNegativesRankingLoss (scale 20 =
+    tiny-retrieval's temperature 0.05, cosine) on the same pairs in train.py's order: each of its batches is one of
+    train.py's optimizer steps (MICRO x ACCUM pairs: train.py's softmax spans its global batch, so both score a query
+    against the same 16 positives), read in order; the same maths otherwise (AdamW, decay, clipping, warmup)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from datasets import Dataset
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from torch.utils.data import BatchSampler, SequentialSampler
+    pairs = [json.loads(line) for line in (sample_dir / "retrieval/train.jsonl").read_text().splitlines()]
+    train_set = Dataset.from_dict({"anchor": [pairs[i]["query"] for i in rows],
+                                   "positive": [pairs[i]["positive"] for i in rows]})
+    encoder = Transformer(str(start), max_seq_length=hyper["seq"])
+    model = SentenceTransformer(modules=[encoder, Pooling(encoder.get_embedding_dimension(), pooling_mode="mean")],
+                                device="cpu")
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState(cpu=True)   # its training arguments use a configured state (use_configured_state)
+
+    class InOrder(SentenceTransformerTrainer):
+        def get_batch_sampler(self, dataset, batch_size, drop_last, *args, **kwargs):
+            return BatchSampler(SequentialSampler(range(len(dataset))), batch_size, drop_last=True)
+
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=MICRO * ACCUM, max_steps=hyper["steps"],
+        learning_rate=hyper["lr"], warmup_steps=max(1, hyper["steps"] // 10), lr_scheduler_type="linear",
+        weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, save_strategy="no",
+        report_to=[], logging_steps=10 ** 9, dataloader_num_workers=0, use_cpu=True, seed=seed, disable_tqdm=True,
+        optim="adamw_torch_fused", dataloader_drop_last=True)
+    trainer = InOrder(model=model, args=args, train_dataset=train_set,
+                      loss=MultipleNegativesRankingLoss(model, scale=20.0))
+    trainer.train()
+    model.save(str(out_dir))
 
 
 def span_positions(rows: list[dict]) -> dict:
@@ -380,6 +452,28 @@ def evaluate_answerer(model_dir: Path, prepared: Path) -> dict:
     return {"qa_f1": scores["f1"], "qa_exact": scores["exact_match"]}
 
 
+def evaluate_retrieval(model_dir: Path, sample_dir: Path, seq: int) -> float:
+    """nDCG@10 by sentence-transformers' InformationRetrievalEvaluator: each validation query of the sample's pairs
+    against every distinct validation passage (as train.py's evaluation builds its corpus), the model loaded as a
+    SentenceTransformer (train.py's export is one), mean pooling, truncated at `seq`."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    pairs = [json.loads(line) for line in (sample_dir / "retrieval/validation.jsonl").read_text().splitlines()]
+    ids = {text: f"d{n}" for n, text in enumerate(dict.fromkeys(p["positive"] for p in pairs))}
+    if (model_dir / "modules.json").exists():
+        model = SentenceTransformer(str(model_dir), device="cpu")
+    else:
+        encoder = Transformer(str(model_dir))
+        model = SentenceTransformer(modules=[encoder, Pooling(encoder.get_embedding_dimension(), "mean")], device="cpu")
+    model.max_seq_length = seq
+    evaluator = InformationRetrievalEvaluator({f"q{n}": p["query"] for n, p in enumerate(pairs)},
+                                              {d: text for text, d in ids.items()},
+                                              {f"q{n}": {ids[p["positive"]]} for n, p in enumerate(pairs)},
+                                              name="sample", show_progress_bar=False)
+    return float(evaluator(model)["sample_cosine_ndcg@10"])
+
+
 def majority_baseline(prepared: Path) -> float:
     """The eval split's accuracy of always predicting the training split's most common label."""
     from collections import Counter
@@ -392,12 +486,14 @@ def majority_baseline(prepared: Path) -> float:
 
 # ----------------------------------------------------------------------------- the comparison
 def compare(seeds: list[int], controls: list[str], out: Path, sample_dir: Path, mlm: dict, classify: dict,
-            control_seeds: list[int] | None = None, ner: dict | None = None, qa: dict | None = None) -> dict:
+            control_seeds: list[int] | None = None, ner: dict | None = None, qa: dict | None = None,
+            retrieval: dict | None = None) -> dict:
     """Every run and every score -> {"results": {variant: {seed: metrics}}, ...}, written to out/quality.json.
-    A kind's "steps" = 0 skips its comparison (mlm, classify, ner, qa). The runs go to two
+    A kind's "steps" = 0 skips its comparison (mlm, classify, ner, qa, retrieval). The runs go to two
     processes of one thread each (this one and a worker, see split_jobs): about half the time on 2 cores."""
     out.mkdir(parents=True, exist_ok=True)
-    hyper = {"mlm": mlm, "classify": classify, "ner": ner or {**NER, "steps": 0}, "qa": qa or {**QA, "steps": 0}}
+    hyper = {"mlm": mlm, "classify": classify, "ner": ner or {**NER, "steps": 0}, "qa": qa or {**QA, "steps": 0},
+             "retrieval": retrieval or {**RETRIEVAL, "steps": 0}}
     data = {kind: str(prepare_data(out / "data", sample_dir, kind, h)) for kind, h in hyper.items() if h["steps"]}
     jobs = plan_jobs(seeds, controls, control_seeds, hyper)
     for job in jobs:   # every start exists before the worker does: neither process writes what the other reads
@@ -424,7 +520,7 @@ def plan_jobs(seeds: list[int], controls: list[str], control_seeds: list[int] | 
     kinds with a verdict); MLM, then fine-tuning."""
     jobs = []
     for seed in seeds:
-        for kind in ("mlm", "classify", "ner", "qa"):
+        for kind in ("mlm", "classify", "ner", "qa", "retrieval"):
             if not hyper[kind]["steps"]:
                 continue
             jobs += [{"side": "train.py", "kind": kind, "seed": seed}, {"side": "Trainer", "kind": kind, "seed": seed}]
@@ -493,6 +589,9 @@ def score(jobs: list[dict], out: Path, data: dict, hyper: dict, seeds: list[int]
             metrics["ner_f1"] = evaluate_tagger(model_dir(job, out), Path(data["ner"]))
         elif job["kind"] == "qa":
             metrics.update(evaluate_answerer(model_dir(job, out), Path(data["qa"])))
+        elif job["kind"] == "retrieval":
+            metrics["retrieval_ndcg"] = evaluate_retrieval(model_dir(job, out), Path(data["retrieval"]),
+                                                           hyper["retrieval"]["seq"])
         else:
             metrics["classify_accuracy"] = evaluate_classifier(model_dir(job, out), Path(data["classify"]))
     def verdicts(metric: str, band: tuple) -> dict:   # each variant that has the metric (a control may not)
@@ -501,7 +600,8 @@ def score(jobs: list[dict], out: Path, data: dict, hyper: dict, seeds: list[int]
     report = {"seeds": seeds, **hyper, "micro": MICRO, "accum": ACCUM, "results": results,
               "majority_baseline": majority_baseline(Path(data["classify"])) if "classify" in data else None,
               "verdicts": verdicts("mlm_loss", BAND), "ner_verdicts": verdicts("ner_f1", NER_BAND),
-              "qa_verdicts": verdicts("qa_f1", QA_BAND)}
+              "qa_verdicts": verdicts("qa_f1", QA_BAND),
+              "retrieval_verdicts": verdicts("retrieval_ndcg", RETRIEVAL_BAND)}
     (out / "quality.json").write_text(json.dumps(report, indent=1))
     return report
 
@@ -524,16 +624,18 @@ def verdict(results: dict, variant: str = "train.py", metric: str = "mlm_loss", 
 
 def render(report: dict) -> list[str]:
     """The table: per variant, the mean and half the spread of each metric, and the verdict."""
-    lines = ["| side | MLM eval loss | MLM accuracy | fine-tuning accuracy | tagging entity F1 | SQuAD F1 | paired d "
-             "per seed (MLM nats; tagging F1; SQuAD F1) | verdict |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| side | MLM eval loss | MLM accuracy | fine-tuning accuracy | tagging entity F1 | SQuAD F1 | retrieval "
+             "nDCG@10 | paired d per seed (MLM nats; tagging F1; SQuAD F1; nDCG@10) | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for variant, by_seed in report["results"].items():
         cells = []
-        for metric in ("mlm_loss", "mlm_accuracy", "classify_accuracy", "ner_f1", "qa_f1"):
+        for metric in ("mlm_loss", "mlm_accuracy", "classify_accuracy", "ner_f1", "qa_f1", "retrieval_ndcg"):
             values = [m[metric] for m in by_seed.values() if m.get(metric) is not None]
             cells.append(f"{statistics.mean(values):.3f} ± {(max(values) - min(values)) / 2:.3f}" if values else "n/a")
         shown = [(v, band) for v, band in ((report["verdicts"].get(variant), BAND),
                                            (report.get("ner_verdicts", {}).get(variant), NER_BAND),
-                                           (report.get("qa_verdicts", {}).get(variant), QA_BAND)) if v]
+                                           (report.get("qa_verdicts", {}).get(variant), QA_BAND),
+                                           (report.get("retrieval_verdicts", {}).get(variant), RETRIEVAL_BAND)) if v]
         ds = "; ".join(", ".join(f"{x:+.3f}" for x in v["d"].values()) for v, _ in shown)
         verdict_ = "; ".join(("within" if v["passes"] else "**outside**") + f" [{band[0]:+.3f}, {band[1]:+.3f}]"
                              for v, band in shown)
@@ -560,6 +662,8 @@ def main(argv=None) -> int:
     parser.add_argument("--classify-steps", type=int, default=CLASSIFY["steps"])
     parser.add_argument("--ner-steps", type=int, default=NER["steps"], help="tiny-ner's tagging task (264: 6 epochs)")
     parser.add_argument("--qa-steps", type=int, default=QA["steps"], help="tiny-squad's questions (240: 10 epochs)")
+    parser.add_argument("--retrieval-steps", type=int, default=RETRIEVAL["steps"],
+                        help="tiny-retrieval's pairs against sentence-transformers' trainer (174: 3 epochs)")
     parser.add_argument("--classify-from", default=CLASSIFY["tokenizer"],
                         help="the exported MLM model both sides fine-tune, classifier and tagger (default: make demo's;"
                              " init: the MLM comparison's seed-0 initial weights, no pretraining and no make demo)")
@@ -581,12 +685,13 @@ def main(argv=None) -> int:
     classify = {**CLASSIFY, "steps": args.classify_steps, "tokenizer": str(start)}
     ner = {**NER, "steps": args.ner_steps, "tokenizer": classify["tokenizer"]}
     qa = {**QA, "steps": args.qa_steps, "tokenizer": classify["tokenizer"]}
-    if (classify["steps"] or ner["steps"] or qa["steps"]) and not (Path(classify["tokenizer"]) / "config.json").exists():
+    retrieval = {**RETRIEVAL, "steps": args.retrieval_steps, "tokenizer": classify["tokenizer"]}
+    if (classify["steps"] or ner["steps"] or qa["steps"] or retrieval["steps"]) and not (Path(classify["tokenizer"]) / "config.json").exists():
         parser.error(f"--classify-from {args.classify_from}: no exported model there; run `make demo` first, or "
                      "name one (or --classify-steps 0)")
     control_seeds = seed_list(args.control_seeds) if args.control_seeds else None
     report = compare(seed_list(args.seeds), controls, Path(args.out), Path(args.sample_dir),
-                     {**MLM, "steps": args.mlm_steps}, classify, control_seeds, ner, qa)
+                     {**MLM, "steps": args.mlm_steps}, classify, control_seeds, ner, qa, retrieval)
     print("\n".join(render(report)))
     return 0
 

@@ -359,6 +359,9 @@ def validate(cfg: Config) -> None:
         if cfg.data.unpad:
             raise ConfigError(f"data.unpad=true: task.kind={cfg.task.kind} pools each text over its own padded row "
                               "(task.pooling); set data.unpad=false")
+        if cfg.data.group_by_length:
+            raise ConfigError(f"data.group_by_length=true: task.kind={cfg.task.kind} batches a query with its passages, "
+                              "whose lengths differ; set data.group_by_length=false")
     if row.labelled:
         if cfg.task.label_names and len(cfg.task.label_names) != cfg.task.num_labels:
             raise ConfigError(f"task.label_names has {len(cfg.task.label_names)} names but "

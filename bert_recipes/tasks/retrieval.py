@@ -253,7 +253,7 @@ def metrics(task: TaskConfig, rows: dict, split=None) -> dict[str, float]:
     corpus = [i for i, r in enumerate(roles) if r == DOCUMENT]
     wanted = {ids[i]: {ids[d] for d in relevant[i]} for i in queries}
     ranked = scores(embedded[queries], embedded[corpus], [ids[i] for i in queries], [ids[i] for i in corpus], wanted)
-    return {**ranked, "eval_queries": len(queries), "eval_corpus": len(corpus)}
+    return {**ranked, "eval_queries": len(queries), "eval_corpus": len(corpus), "eval_samples": len(roles)}
 
 
 def baseline(task: TaskConfig, data) -> float | None:
