@@ -23,8 +23,10 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..config import ConfigError, DataConfig, TaskConfig
+from ..contrastive import in_batch_loss
 from ..data.tokenizing import map_splits, tokenizer_fingerprint
 from ..embeddings import pool
+from ..modeling import ExportedAs
 
 QUERY, DOCUMENT = 0, 1   # an evaluation row's role
 
@@ -175,24 +177,20 @@ class PooledEncoding:
         embedded = pool(hidden, attention_mask, self.sentence_pooling)
         loss = None
         if columns is not None:
-            from ..contrastive import in_batch_loss
             parts = embedded.chunk(columns.numel())
             loss = in_batch_loss(parts[0], parts[1:], self.config.sentence_scale)
         return EmbeddingOutput(logits=embedded, loss=loss)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        from ..modeling import exported_as
-        super().save_pretrained(save_directory, *args, **kwargs)
-        exported_as(save_directory, self.exported_class)
 
 
 _CLASSES: dict = {}
 
 
 def _encoder_class(base):
-    """The base model class with PooledEncoding's forward (one class per base)."""
+    """The base model class with PooledEncoding's forward (one class per base); its export's config.json names the
+    base class (modeling.ExportedAs)."""
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"Pooled{base.__name__}", (PooledEncoding, base), {"exported_class": base.__name__})
+        _CLASSES[base] = type(f"Pooled{base.__name__}", (ExportedAs, PooledEncoding, base),
+                              {"exported_class": base.__name__})
     return _CLASSES[base]
 
 
